@@ -1,0 +1,147 @@
+"""The `gmlx` command: serve, systemone, models."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .config import Config, ConfigError, load_config, package_installed
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Structured decisions from GGUF models.")
+
+DEFAULT_CONFIG = "decisions.yaml"
+
+
+def _fail(message: str, code: int) -> None:
+    typer.echo(message, err=True)
+    raise typer.Exit(code)
+
+
+def _config(path: str) -> Config:
+    try:
+        return load_config(path)
+    except ConfigError as err:
+        _fail(f"gmlx: {err}", 2)
+    raise AssertionError  # unreachable
+
+
+@app.command()
+def serve(
+    config: str = typer.Option(DEFAULT_CONFIG, "--config", "-c", help="decisions.yaml to serve"),
+    host: Optional[str] = typer.Option(None, help="bind address (default: server.host)"),
+    port: Optional[int] = typer.Option(None, help="port (default: server.port)"),
+    preload: bool = typer.Option(False, "--preload", help="load every model before accepting requests"),
+    log_level: str = typer.Option("info", "--log-level", help="debug, info, warning"),
+) -> None:
+    """Serve decisions over HTTP."""
+    cfg = _config(config)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from .server.app import create_app
+
+    application = create_app(cfg, preload=preload)
+    uvicorn.run(
+        application,
+        host=host or cfg.server.host,
+        port=cfg.server.port if port is None else port,
+        log_level=log_level.lower(),
+        timeout_graceful_shutdown=30,
+    )
+
+
+def _human_size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def model_rows(cfg: Config) -> list[dict]:
+    """One row per configured model, from the GGUF header only."""
+    from .engine.gguf_info import llama_supports_arch, read_info
+    from .engine.model import strategy_for
+    from .engine.chat import ARCH_BUILTIN
+
+    rows = []
+    for mid, m in cfg.models.items():
+        row = {
+            "id": mid,
+            "aliases": [a for a, t in cfg.aliases.items() if t == mid],
+            "source": m.source,
+            "present": False,
+            "size": None,
+            "architecture": None,
+            "strategy": None,
+            "loadable": False,
+            "note": "",
+        }
+        try:
+            if m.package and not package_installed(m.package):
+                raise FileNotFoundError(f"package {m.package} not installed")
+            path = cfg.model_path(mid)
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} not found")
+            info = read_info(path)
+        except FileNotFoundError as err:
+            row["note"] = str(err)
+            rows.append(row)
+            continue
+        except ValueError as err:
+            row.update(present=True, note=str(err))
+            rows.append(row)
+            continue
+        has_template = bool(m.chat_template) or info.has_chat_template or info.architecture in ARCH_BUILTIN
+        supported = llama_supports_arch(info.architecture)
+        row.update(
+            present=True,
+            size=info.size,
+            architecture=info.architecture,
+            strategy=strategy_for(info.architecture, False, has_template),
+            loadable=supported,
+            note="" if supported else f"this llama.cpp build cannot load {info.architecture!r}: upgrade llama-cpp-python",
+        )
+        rows.append(row)
+    return rows
+
+
+@app.command()
+def models(
+    config: str = typer.Option(DEFAULT_CONFIG, "--config", "-c", help="decisions.yaml to read"),
+) -> None:
+    """List configured models: source, file, architecture, strategy, loadable."""
+    cfg = _config(config)
+    rows = model_rows(cfg)
+    headers = ["id", "aliases", "architecture", "strategy", "loadable", "present", "size", "source"]
+    table = [
+        [
+            r["id"],
+            ",".join(r["aliases"]) or "-",
+            r["architecture"] or "-",
+            r["strategy"] or "none",
+            "yes" if r["loadable"] else "no",
+            "yes" if r["present"] else "no",
+            _human_size(r["size"]) if r["size"] is not None else "-",
+            r["source"],
+        ]
+        for r in rows
+    ]
+    widths = [max(len(h), *(len(row[i]) for row in table)) if table else len(h) for i, h in enumerate(headers)]
+    typer.echo("  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip())
+    for row, r in zip(table, rows):
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        if r["note"]:
+            typer.echo(f"    note: {r['note']}")
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

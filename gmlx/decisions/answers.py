@@ -1,0 +1,63 @@
+"""Answers and per-question diagnostics from a question's samples (SPEC 4.8)."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from . import stats
+from .sampling import Sample
+from .types import Question
+
+
+def averaged(samples: Sequence[Sample]) -> list[float]:
+    return stats.average([s.probs for s in samples])
+
+
+def answer(question: Question, probs: Sequence[float], mode: str) -> dict:
+    """The answer object of one question, in its type's shape."""
+    conf = stats.confidence(question.type, probs, mode)
+    if question.type == "noul":
+        return {
+            "type": "noul",
+            "noul": probs[0],
+            "probabilities": {"yes": probs[0], "no": probs[1]},
+            "confidence": conf,
+        }
+    if question.type == "choice":
+        return {
+            "type": "choice",
+            "choice": question.options[stats.argmax(probs)],
+            "probabilities": dict(zip(question.options, probs)),
+            "confidence": conf,
+        }
+    keys = [str(i) for i in range(len(probs))]
+    return {
+        "type": "score",
+        "score": stats.expected_index(probs),
+        "legend": dict(zip(keys, question.options)),
+        "probabilities": dict(zip(keys, probs)),
+        "confidence": conf,
+    }
+
+
+def diagnostics(samples: Sequence[Sample], probs: Sequence[float]) -> dict:
+    """label_mass, argmax_is_label and entropy; stderr and agreement of the top
+    answer when there is more than one sample."""
+    n = len(samples)
+    out: dict = {
+        "label_mass": math.fsum(s.mass for s in samples) / n,
+        "argmax_is_label": all(s.argmax_is_label for s in samples),
+        "entropy": stats.entropy(probs),
+    }
+    if n > 1:
+        top = stats.argmax(probs)
+        out["stderr"] = stats.stderr([s.probs[top] for s in samples])
+        out["agreement"] = sum(stats.argmax(s.probs) == top for s in samples) / n
+    return out
+
+
+def top(question: Question, sample: Sample) -> dict:
+    """One sample's top label, as the template writes it (request-order label)."""
+    i = stats.argmax(sample.probs)
+    return {"label": question.labels[i], "p": sample.probs[i], "entropy": sample.entropy}

@@ -1,0 +1,119 @@
+"""One pass over a plan: stages in order, skipping, chunks, samples.
+
+think "auto" runs this twice (without and with a thought); everything a pass
+produces is collected in a Pass so the caller can pick which one answers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from . import answers, stats
+from .plan import Plan, chunk_stage, skip_reason
+from .sampling import ChunkReads, read_chunk
+from .seeds import sample_seed
+from .types import Answered, Decision, DecisionSettings, Read, Reader, Thought
+
+
+@dataclass
+class Pass:
+    probs: dict[str, list[float]] = field(default_factory=dict)  # averaged, per read question
+    diagnostics: dict[str, dict] = field(default_factory=dict)
+    skipped: dict[str, dict] = field(default_factory=dict)
+    chunks: list[list[list[str]]] = field(default_factory=list)  # per stage: chunk id lists
+    groups: list[ChunkReads] = field(default_factory=list)  # every chunk, stage by stage
+    conditioned: bool = False  # some read saw earlier answers
+    ms: float = 0.0
+
+    @property
+    def reads(self) -> int:
+        return sum(g.n for g in self.groups)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return max((r.prompt_tokens for g in self.groups for r in g.results), default=0)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.output_tokens for g in self.groups for r in g.results)
+
+
+def run_pass(
+    decision: Decision,
+    reader: Reader,
+    settings: DecisionSettings,
+    plan: Plan,
+    thought: Thought | None,
+    checkpoint: Callable[[], None],
+) -> Pass:
+    start = time.perf_counter()
+    out = Pass()
+    chosen: dict[str, int] = {}  # answered id -> top option index
+    for s, stage in enumerate(plan.stages):
+        to_read = []
+        for q in stage:
+            names = {d: decision.question(d).options[i] for d, i in chosen.items()}
+            reason = skip_reason(q, names, out.skipped)
+            if reason is None:
+                to_read.append(q)
+            else:
+                out.skipped[q.id] = reason
+        chunks = chunk_stage(plan, tuple(to_read), reader)
+        out.chunks.append([[q.id for q in c] for c in chunks])
+        # Without `sequential`, chunks of one stage see only earlier stages.
+        visible = dict(chosen)
+        for c, chunk in enumerate(chunks):
+            seen = _answered(plan, chosen if decision.sequential else visible)
+            out.conditioned |= bool(seen)
+            base = Read(
+                state=decision.state,
+                instructions=decision.instructions,
+                questions=chunk,
+                listed=plan.listed(chunk),
+                answered=seen,
+                sample=0,
+                seed=0,
+                steps=decision.steps,
+                thought=thought,
+                chat_template_kwargs=decision.chat_template_kwargs,
+                cache_salt=decision.cache_salt,
+                constrained=settings.constrained,
+            )
+            group = read_chunk(
+                reader,
+                base,
+                lambda k, s=s, c=c: sample_seed(decision.seed, s, c, k),
+                decision.samples,
+                decision.auto_max,
+                decision.auto_threshold,
+                checkpoint,
+            )
+            out.groups.append(group)
+            for q in chunk:
+                samples = group.samples[q.id]
+                probs = answers.averaged(samples)
+                out.probs[q.id] = probs
+                out.diagnostics[q.id] = answers.diagnostics(samples, probs)
+                chosen[q.id] = stats.argmax(probs)
+    out.ms = (time.perf_counter() - start) * 1000.0
+    return out
+
+
+def _answered(plan: Plan, chosen: dict[str, int]) -> tuple[Answered, ...]:
+    # Request order, so a prompt does not depend on which chunk finished first.
+    return tuple(Answered(q, chosen[q.id]) for q in plan.asked if q.id in chosen)
+
+
+def tops(group: ChunkReads) -> list[dict]:
+    """Per sample: question id -> its top label, probability and entropy."""
+    return [
+        {q.id: answers.top(q, group.samples[q.id][k]) for q in group.questions}
+        for k in range(group.n)
+    ]
+
+
+def confidences(plan: Plan, run: Pass, mode: str) -> dict[str, float]:
+    """Confidence of every answered question, in request order."""
+    return {q.id: stats.confidence(q.type, run.probs[q.id], mode) for q in plan.asked if q.id in run.probs}

@@ -1,0 +1,332 @@
+"""Loading a GGUF through llama.cpp's low-level API, and what a loaded model
+exposes: tokenizer, special ids, architecture, strategy, chat template."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+
+from ..errors import ModelFileMissing, ModelLoadError
+from .chat import ChatTemplate, choose_template
+from .gguf_info import DIFFUSION_ARCHS, llama_supports_arch, read_info
+
+log = logging.getLogger("gmlx.engine")
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+
+
+@llama_cpp.llama_log_callback
+def _llama_log(level, text, user_data):  # noqa: ARG001
+    # llama.cpp logs through here; keep its chatter at debug level so a served
+    # decision prints one line, not hundreds.
+    if log.isEnabledFor(logging.DEBUG) and text:
+        log.debug("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
+
+
+def init_backend() -> None:
+    global _backend_ready
+    with _backend_lock:
+        if not _backend_ready:
+            llama_cpp.llama_log_set(_llama_log, ctypes.c_void_p(0))
+            llama_cpp.llama_backend_init()
+            _backend_ready = True
+
+
+class _Progress:
+    """A terminal progress bar for model loads (only when stderr is a TTY)."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.last = -1
+        self.enabled = sys.stderr.isatty()
+
+        @llama_cpp.llama_progress_callback
+        def cb(progress, user_data):  # noqa: ARG001
+            self.update(progress)
+            return True
+
+        self.callback = cb
+
+    def update(self, fraction: float) -> None:
+        pct = int(fraction * 100)
+        if not self.enabled or pct == self.last:
+            return
+        self.last = pct
+        bar = "#" * (pct // 4)
+        sys.stderr.write(f"\rloading {self.label} [{bar:<25}] {pct:3d}%")
+        if pct >= 100:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+@dataclass
+class SpecialTokens:
+    bos: int | None
+    eos: int | None
+    eot: int | None
+    pad: int | None
+    mask: int | None
+
+
+def _tok(value: int) -> int | None:
+    return None if value is None or value < 0 else int(value)
+
+
+@dataclass
+class LoadedModel:
+    model_id: str
+    path: Path
+    settings: dict[str, Any]
+    model: Any  # llama_model_p
+    vocab: Any  # llama_vocab_p
+    architecture: str
+    strategy: str | None  # "canvas" | "next-token" | None
+    n_ctx_train: int
+    n_layer: int
+    n_vocab: int
+    special: SpecialTokens
+    chat_template: ChatTemplate | None
+    canvas_length: int | None
+    shift_logits: bool
+    add_bos: bool
+    gpu_layers: int
+    backend: str
+    load_ms: float
+    _meta_cache: dict[str, str | None] = field(default_factory=dict)
+
+    # -- tokenizer ---------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = False) -> list[int]:
+        data = text.encode("utf-8")
+        n_max = len(data) + 16
+        buf = (llama_cpp.llama_token * n_max)()
+        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
+        if n < 0:  # buffer too small: -n is the size needed
+            n_max = -n
+            buf = (llama_cpp.llama_token * n_max)()
+            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
+        return list(buf[:n])
+
+    def encode(self, text: str) -> list[int]:
+        """Plain text -> tokens, without special tokens (no BOS, specials as text)."""
+        return self.tokenize(text, add_special=False, parse_special=False)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A rendered chat prompt -> tokens: special markers parsed, BOS added
+        when the model wants one and the template did not write it."""
+        toks = self.tokenize(text, add_special=False, parse_special=True)
+        bos = self.special.bos
+        if self.add_bos and bos is not None and (not toks or toks[0] != bos):
+            toks.insert(0, bos)
+        return toks
+
+    def piece(self, token: int, special: bool = True) -> str:
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n].decode("utf-8", "replace")
+
+    def decode(self, tokens: list[int], special: bool = False) -> str:
+        raw = b""
+        for t in tokens:
+            buf = ctypes.create_string_buffer(64)
+            n = llama_cpp.llama_token_to_piece(self.vocab, t, buf, len(buf), 0, special)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = llama_cpp.llama_token_to_piece(self.vocab, t, buf, len(buf), 0, special)
+            raw += buf.raw[:n]
+        return raw.decode("utf-8", "replace")
+
+    def token_id(self, text: str) -> int | None:
+        """The id of `text` when it is exactly one token (specials parsed), else None."""
+        toks = self.tokenize(text, add_special=False, parse_special=True)
+        return toks[0] if len(toks) == 1 else None
+
+    def meta(self, key: str) -> str | None:
+        if key not in self._meta_cache:
+            self._meta_cache[key] = model_meta(self.model, key)
+        return self._meta_cache[key]
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "id": self.model_id,
+            "path": str(self.path),
+            "architecture": self.architecture,
+            "strategy": self.strategy,
+            "n_ctx_train": self.n_ctx_train,
+            "n_vocab": self.n_vocab,
+            "chat_template": self.chat_template.origin if self.chat_template else None,
+            "canvas_length": self.canvas_length,
+            "gpu_layers": self.gpu_layers,
+            "backend": self.backend,
+            "load_ms": round(self.load_ms, 1),
+        }
+
+    def close(self) -> None:
+        if self.model is not None:
+            llama_cpp.llama_model_free(self.model)
+            self.model = None
+
+
+def model_meta(model, key: str) -> str | None:
+    buf = ctypes.create_string_buffer(4096)
+    n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    if n < 0:
+        return None
+    if n >= len(buf):
+        buf = ctypes.create_string_buffer(n + 1)
+        llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode("utf-8", "replace")
+
+
+def backend_name() -> str:
+    if not llama_cpp.llama_supports_gpu_offload():
+        return "cpu"
+    names = []
+    try:
+        for i in range(llama_cpp.ggml_backend_dev_count()):
+            dev = llama_cpp.ggml_backend_dev_get(i)
+            names.append(llama_cpp.ggml_backend_dev_name(dev).decode())
+    except Exception:  # binding without the device API
+        return "gpu"
+    return ",".join(names) or "gpu"
+
+
+_SPLIT = {"none": 0, "layer": 1, "row": 2}
+
+
+def _model_params(settings: dict[str, Any], progress: _Progress):
+    mp = llama_cpp.llama_model_default_params()
+    offload = llama_cpp.llama_supports_gpu_offload()
+    n_gpu = settings["n_gpu_layers"]
+    mp.n_gpu_layers = (0x7FFFFFFF if n_gpu < 0 else n_gpu) if offload else 0
+    mp.split_mode = _SPLIT[settings["split_mode"]]
+    mp.main_gpu = settings["main_gpu"]
+    mp.use_mmap = settings["use_mmap"]
+    mp.use_mlock = settings["use_mlock"]
+    if settings["tensor_split"]:
+        n = llama_cpp.llama_max_devices()
+        arr = (ctypes.c_float * n)(*settings["tensor_split"][:n])
+        mp.tensor_split = arr
+        progress._tensor_split = arr  # keep alive while loading
+    mp.progress_callback = progress.callback
+    return mp
+
+
+def strategy_for(arch: str, is_diffusion: bool, has_template: bool) -> str | None:
+    if is_diffusion or arch in DIFFUSION_ARCHS:
+        return "canvas"
+    if has_template:
+        return "next-token"
+    return None
+
+
+def load_model(model_id: str, path: Path, settings: dict[str, Any]) -> LoadedModel:
+    """Load a GGUF. Raises ModelFileMissing (404 later) or ModelLoadError."""
+    init_backend()
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFileMissing(f"model {model_id!r}: file {path} is missing", param="model")
+    try:
+        info = read_info(path)
+    except ValueError as err:
+        raise ModelLoadError(f"model {model_id!r}: {err}") from None
+    if not llama_supports_arch(info.architecture):
+        raise ModelLoadError(
+            f"model {model_id!r}: architecture {info.architecture!r} is not supported by the installed "
+            f"llama-cpp-python {llama_cpp.__version__}; install a llama-cpp-python whose bundled llama.cpp "
+            f"has it (pip install --upgrade llama-cpp-python)"
+        )
+    if settings.get("rpc_servers"):
+        _add_rpc_servers(settings["rpc_servers"])
+    progress = _Progress(model_id)
+    t0 = time.perf_counter()
+    mp = _model_params(settings, progress)
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+    if not model:
+        raise ModelLoadError(
+            f"model {model_id!r}: llama.cpp could not load {path} (architecture {info.architecture!r}; "
+            "a truncated or corrupted file, or not enough memory)"
+        )
+    progress.update(1.0)
+    load_ms = (time.perf_counter() - t0) * 1000
+    vocab = llama_cpp.llama_model_get_vocab(model)
+    arch = model_meta(model, "general.architecture") or info.architecture
+    special = SpecialTokens(
+        bos=_tok(llama_cpp.llama_vocab_bos(vocab)),
+        eos=_tok(llama_cpp.llama_vocab_eos(vocab)),
+        eot=_tok(llama_cpp.llama_vocab_eot(vocab)),
+        pad=_tok(llama_cpp.llama_vocab_pad(vocab)),
+        mask=_tok(llama_cpp.llama_vocab_mask(vocab)) if hasattr(llama_cpp, "llama_vocab_mask") else None,
+    )
+    is_diffusion = bool(llama_cpp.llama_model_is_diffusion(model)) if hasattr(llama_cpp, "llama_model_is_diffusion") else False
+    raw_template = llama_cpp.llama_model_chat_template(model, None)
+    gguf_template = raw_template.decode("utf-8", "replace") if raw_template else None
+    n_layer = llama_cpp.llama_model_n_layer(model)
+    m = LoadedModel(
+        model_id=model_id,
+        path=path,
+        settings=settings,
+        model=model,
+        vocab=vocab,
+        architecture=arch,
+        strategy=None,
+        n_ctx_train=llama_cpp.llama_model_n_ctx_train(model),
+        n_layer=n_layer,
+        n_vocab=llama_cpp.llama_vocab_n_tokens(vocab),
+        special=special,
+        chat_template=None,
+        canvas_length=None,
+        shift_logits=False,
+        add_bos=bool(llama_cpp.llama_vocab_get_add_bos(vocab)),
+        gpu_layers=0,
+        backend=backend_name(),
+        load_ms=load_ms,
+    )
+    bos_text = m.piece(special.bos) if special.bos is not None else ""
+    eos_text = m.piece(special.eos) if special.eos is not None else ""
+    try:
+        m.chat_template = choose_template(settings.get("chat_template"), gguf_template, arch, bos_text, eos_text)
+    except Exception as err:  # a template that does not compile
+        llama_cpp.llama_model_free(model)
+        raise ModelLoadError(f"model {model_id!r}: chat template does not compile ({err})") from None
+    m.strategy = strategy_for(arch, is_diffusion, m.chat_template is not None)
+    canvas = m.meta("diffusion.canvas_length")
+    m.canvas_length = int(canvas) if canvas and canvas.isdigit() else None
+    m.shift_logits = (m.meta("diffusion.shift_logits") or "").lower() == "true"
+    requested = settings["n_gpu_layers"]
+    if llama_cpp.llama_supports_gpu_offload():
+        # llama.cpp offloads the repeating layers plus the output layer.
+        m.gpu_layers = n_layer + 1 if requested < 0 else min(requested, n_layer + 1)
+    log.info(
+        "loaded %s (%s, %s) from %s in %.0f ms: backend %s, %d/%d layers offloaded",
+        model_id, arch, m.strategy or "no read strategy", path, load_ms, m.backend, m.gpu_layers, n_layer + 1,
+    )
+    return m
+
+
+_rpc_added: set[str] = set()
+
+
+def _add_rpc_servers(servers: list[str]) -> None:
+    """Register llama.cpp RPC backends (one model split over several machines)."""
+    fn = getattr(llama_cpp, "ggml_backend_rpc_add_device", None) or getattr(llama_cpp, "ggml_backend_rpc_add_server", None)
+    if fn is None:
+        raise ModelLoadError(
+            "rpc_servers is set but this llama-cpp-python was built without the RPC backend; "
+            'reinstall with CMAKE_ARGS="-DGGML_RPC=on"'
+        )
+    for s in servers:
+        if s not in _rpc_added:
+            fn(s.encode())
+            _rpc_added.add(s)

@@ -1,0 +1,277 @@
+"""Next-token reads for autoregressive chat models (SPEC 4.7, "Next-token").
+
+Each question's read is the first token of the model's reply to a prompt that
+starts with the state. All prompts of a read share their leading tokens, so
+that prefix is evaluated once on sequence 0 and each question's suffix is
+evaluated on its own sequence after a metadata-only copy of the prefix
+(unified KV cache), with logits asked only for the suffix's last token.
+The prefix stays in the cache across the reads of one decision and is cleared
+between decisions, so no decision's numbers depend on another's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..decisions import prompts
+from ..decisions.labels import check_label_tokens
+from ..decisions.seeds import option_order
+from ..decisions.types import Decision, Question, Read, ReadResult, SlotRead, Thought
+from ..errors import InvalidRequest
+from .context import Context, Entry, log_softmax
+from .model import LoadedModel
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+
+@dataclass
+class _Prompt:
+    question: Question
+    order: list[int]  # listed position k shows option order[k]
+    tokens: list[int]
+
+
+class NextTokenReader:
+    strategy = "next-token"
+
+    def __init__(self, lm: LoadedModel, settings: dict[str, Any], parallel: int = 16):
+        self.lm = lm
+        n_batch = int(settings.get("n_batch") or 512)
+        n_ubatch = int(settings.get("n_ubatch") or n_batch)
+        self.parallel = max(1, parallel)
+        self.ctx = Context(
+            lm,
+            n_ctx=int(settings.get("n_ctx") or 8192),
+            n_batch=n_batch,
+            n_ubatch=min(n_ubatch, n_batch),
+            n_seq_max=self.parallel + 1,
+            n_threads=settings.get("n_threads"),
+            flash_attn=bool(settings.get("flash_attn")),
+        )
+        self.template = lm.chat_template
+        self.think_open = lm.token_id(THINK_OPEN)
+        self.think_close = lm.token_id(THINK_CLOSE)
+        self.can_think = bool(
+            self.template and self.template.has_thinking and self.think_open is not None and self.think_close is not None
+        )
+        self._cached: list[int] = []  # tokens held by sequence 0
+        # Within a decision, a prompt read once is not read again (a noul's or a
+        # score's later samples list the same prompt as sample 0).
+        self._rows: dict[tuple[int, ...], np.ndarray] = {}
+        self._label_ids: dict[str, int | None] = {}
+
+    # -- protocol ----------------------------------------------------------
+    def reset(self) -> None:
+        """Start of a decision: nothing of the previous one stays in the cache."""
+        self.ctx.clear()
+        self._cached = []
+        self._rows = {}
+
+    def template_rows(self, questions, total) -> int:  # noqa: ARG002 - no canvas
+        return 0
+
+    def label_token(self, label: str) -> int | None:
+        """The token of `label` at the reply's first position (no leading space)."""
+        if label not in self._label_ids:
+            ids = self.lm.encode(label)
+            self._label_ids[label] = ids[0] if len(ids) == 1 else None
+        return self._label_ids[label]
+
+    def check(self, decision: Decision) -> None:
+        check_label_tokens(decision.questions, self.label_token)
+        need = self.largest_prompt(decision)
+        if need > self.ctx.n_ctx:
+            raise InvalidRequest(
+                f"the decision's largest prompt needs {need} tokens but the context holds {self.ctx.n_ctx}; "
+                "shorten the state or serve the model with a larger n_ctx",
+                param="state",
+            )
+
+    def largest_prompt(self, decision: Decision) -> int:
+        """Tokens of the largest prompt any read can build: every other question
+        answered with its longest option, plus a thought at full budget."""
+        from ..decisions.types import Answered
+
+        think = decision.think_budget if decision.think == "auto" else int(decision.think or 0)
+        think = think if self.can_think else 0
+        worst = 0
+        for q in decision.questions:
+            answered = tuple(
+                Answered(o, max(range(len(o.options)), key=lambda i, o=o: len(o.options[i])))
+                for o in decision.questions
+                if o.id != q.id
+            )
+            text = self._render(decision.instructions, decision.state, q, list(range(len(q.options))), answered,
+                                decision.chat_template_kwargs, None)
+            worst = max(worst, len(self.lm.encode_prompt(text)))
+        # +1: the read itself; a thought also brings its open/close markers.
+        return worst + 1 + (think + 8 if think else 0)
+
+    def read(self, read: Read) -> ReadResult:
+        t0 = time.perf_counter()
+        built = [self._prompt(read, q) for q in read.questions]
+        rows = self._evaluate([p.tokens for p in built])
+        slots = {}
+        for p, row in zip(built, rows):
+            lp = log_softmax(row)
+            listed_ids = [self.label_token(lab) for lab in p.question.labels[: len(p.order)]]
+            by_option = [0.0] * len(p.order)
+            for k, opt in enumerate(p.order):
+                by_option[opt] = float(lp[listed_ids[k]])
+            slots[p.question.id] = SlotRead(tuple(by_option), int(np.argmax(row)) in set(listed_ids))
+        return ReadResult(
+            slots=slots,
+            prompt_tokens=max(len(p.tokens) for p in built),
+            output_tokens=len(built),
+            ms=(time.perf_counter() - t0) * 1000,
+        )
+
+    # -- prompts -----------------------------------------------------------
+    def _kwargs(self, user: dict[str, Any] | None, thinking: bool) -> dict[str, Any]:
+        kw = {"enable_thinking": thinking}
+        kw.update(user or {})
+        return kw
+
+    def _render(self, instructions, state, q, order, answered, user_kwargs, thought: Thought | None) -> str:
+        msgs = prompts.messages(instructions, state, q, order, answered)
+        if thought is None:
+            return self.template.render(msgs, True, self._kwargs(user_kwargs, False))
+        # The reply opens with the thought block, closed, then the answer.
+        text = self.template.render(msgs, True, self._kwargs(user_kwargs, True))
+        return text + f"{THINK_OPEN}\n{thought.text.strip()}\n{THINK_CLOSE}\n\n"
+
+    def _prompt(self, read: Read, q: Question) -> _Prompt:
+        order = option_order(q, read.sample, read.seed)
+        deps = set(q.depends_on)
+        # A question's prompt states the earlier answers it depends on.
+        answered = tuple(a for a in read.answered if a.question.id in deps)
+        text = self._render(read.instructions, read.state, q, order, answered, read.chat_template_kwargs, read.thought)
+        return _Prompt(q, order, self.lm.encode_prompt(text))
+
+    # -- evaluation --------------------------------------------------------
+    def _evaluate(self, prompts_tokens: list[list[int]]) -> list[np.ndarray]:
+        """Logits of the last token of every prompt; prompts already read in
+        this decision come from memory."""
+        keys = [tuple(t) for t in prompts_tokens]
+        todo = list(dict.fromkeys(k for k in keys if k not in self._rows))
+        if todo:
+            for key, row in zip(todo, self._evaluate_new([list(k) for k in todo])):
+                self._rows[key] = row
+        return [self._rows[k] for k in keys]
+
+    def _evaluate_new(self, prompts_tokens: list[list[int]]) -> list[np.ndarray]:
+        """Logits of the last token of every prompt, sharing their common prefix."""
+        shortest = min(len(t) for t in prompts_tokens)
+        prefix_len = _common_prefix(prompts_tokens, shortest - 1)
+        prefix = prompts_tokens[0][:prefix_len]
+        self._hold_prefix(prefix)
+        suffixes = [t[prefix_len:] for t in prompts_tokens]
+        rows: list[np.ndarray | None] = [None] * len(suffixes)
+        # Groups of suffixes, each on its own sequence 1..parallel, within the KV cells left.
+        free_cells = self.ctx.n_ctx - prefix_len
+        group: list[int] = []
+        used = 0
+        for i, s in enumerate(suffixes):
+            if group and (len(group) == self.parallel or used + len(s) > free_cells):
+                self._run_group(group, suffixes, prefix_len, rows)
+                group, used = [], 0
+            group.append(i)
+            used += len(s)
+        if group:
+            self._run_group(group, suffixes, prefix_len, rows)
+        return rows  # type: ignore[return-value]
+
+    def _hold_prefix(self, prefix: list[int]) -> None:
+        """Make sequence 0 hold exactly `prefix`, reusing what it already has."""
+        keep = _common_prefix([self._cached, prefix], min(len(self._cached), len(prefix)))
+        if keep < len(self._cached):
+            self.ctx.seq_rm(0, keep, -1)
+        self._decode_run([Entry(tok, keep + j, 0) for j, tok in enumerate(prefix[keep:])])
+        self._cached = list(prefix)
+
+    def _run_group(self, group: list[int], suffixes, start: int, rows) -> None:
+        entries: list[Entry] = []
+        want: dict[int, int] = {}  # entry index -> prompt index
+        for slot, i in enumerate(group, start=1):
+            self.ctx.seq_cp(0, slot, -1, -1)
+            s = suffixes[i]
+            for j, tok in enumerate(s):
+                last = j == len(s) - 1
+                if last:
+                    want[len(entries)] = i
+                entries.append(Entry(tok, start + j, slot, last))
+        for index, row in self._decode_run(entries).items():
+            rows[want[index]] = row
+        for slot in range(1, len(group) + 1):
+            self.ctx.seq_rm(slot, -1, -1)
+
+    def _decode_run(self, entries: list[Entry]) -> dict[int, np.ndarray]:
+        """Decode any number of entries in slices of at most n_batch."""
+        out: dict[int, np.ndarray] = {}
+        step = self.ctx.max_tokens
+        for start in range(0, len(entries), step):
+            for i, row in self.ctx.decode(entries[start : start + step]).items():
+                out[start + i] = row
+        return out
+
+    # -- thinking ----------------------------------------------------------
+    def think(self, decision: Decision, budget: int, seed: int) -> Thought:
+        """Write the template's thinking block with seeded sampling, once per
+        decision, over a prompt that lists every question."""
+        t0 = time.perf_counter()
+        msgs = prompts.thought_messages(decision.instructions, decision.state, decision.questions)
+        text = self.template.render(msgs, True, self._kwargs(decision.chat_template_kwargs, True)) + THINK_OPEN + "\n"
+        tokens = self.lm.encode_prompt(text)
+        if len(tokens) + budget + 1 > self.ctx.n_ctx:
+            raise InvalidRequest("the thought does not fit the context", param="think_budget")
+        self.reset()
+        rows = self._decode_run([Entry(t, j, 0, j == len(tokens) - 1) for j, t in enumerate(tokens)])
+        row = rows[len(tokens) - 1]
+        rng = np.random.default_rng(seed)
+        out: list[int] = []
+        closed = False
+        stops = {t for t in (self.lm.special.eos, self.lm.special.eot) if t is not None}
+        pos = len(tokens)
+        while len(out) < budget:
+            tok = _sample(row, rng)
+            if tok == self.think_close:
+                closed = True
+                break
+            if tok in stops:
+                break
+            out.append(tok)
+            row = self.ctx.decode([Entry(tok, pos, 0, True)])[0]
+            pos += 1
+        self.reset()
+        return Thought(
+            text=self.lm.decode(out), tokens=len(out), closed=closed, ms=(time.perf_counter() - t0) * 1000
+        )
+
+    def close(self) -> None:
+        self.ctx.close()
+
+
+def _sample(row: np.ndarray, rng: np.random.Generator, temperature: float = 0.6, top_k: int = 20, top_p: float = 0.95) -> int:
+    """Seeded sampling with Qwen3's recommended thinking settings."""
+    k = min(top_k, row.shape[0])
+    idx = np.argpartition(-row, k - 1)[:k]
+    idx = idx[np.argsort(-row[idx], kind="stable")]
+    logits = row[idx].astype(np.float64) / temperature
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    keep = int(np.searchsorted(np.cumsum(p), top_p) + 1)
+    p = p[:keep] / p[:keep].sum()
+    return int(idx[rng.choice(keep, p=p)])
+
+
+def _common_prefix(seqs: list[list[int]], limit: int) -> int:
+    n = 0
+    first = seqs[0]
+    while n < limit and all(s[n] == first[n] for s in seqs[1:]):
+        n += 1
+    return n

@@ -1,0 +1,123 @@
+"""Labels, seeds, option order and the numbers over a question's labels."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, strategies as st
+
+from gmlx.errors import ValidationError
+from gmlx.decisions import stats
+from gmlx.decisions.labels import check_label_tokens, labels_for
+from gmlx.decisions.seeds import derive_seed, option_order, sample_seed, thought_seed
+from gmlx.decisions.types import Question
+
+
+def question(qid="x", qtype="choice", n=3):
+    options = ("yes", "no") if qtype == "noul" else tuple(f"o{i}" for i in range(n))
+    return Question(qid, qtype, "", options, (None,) * len(options), labels_for(qtype, len(options)))
+
+
+def test_labels_for():
+    assert labels_for("noul", 2) == ("yes", "no")
+    assert labels_for("choice", 3) == ("A", "B", "C")
+    assert labels_for("score", 3) == ("1", "2", "3")
+    assert labels_for("score", 9)[-1] == "9"
+    assert labels_for("score", 10) == tuple("ABCDEFGHIJ")
+
+
+def test_label_not_one_token_names_question_and_label():
+    qs = [question("team", n=3)]
+    with pytest.raises(ValidationError) as caught:
+        check_label_tokens(qs, lambda label: None if label == "B" else ord(label))
+    assert "'team'" in caught.value.message and "'B'" in caught.value.message
+    assert caught.value.param == "questions.team"
+
+
+def test_labels_sharing_a_token_rejected():
+    with pytest.raises(ValidationError) as caught:
+        check_label_tokens([question("urgent", "noul")], lambda label: 7)
+    assert "'urgent'" in caught.value.message and "'yes'" in caught.value.message and "'no'" in caught.value.message
+
+
+def test_labels_of_different_questions_may_share_tokens():
+    check_label_tokens([question("a"), question("b")], ord)  # no exception; same tokens across questions
+    seen = []
+    check_label_tokens([question("a", n=2)], lambda label: seen.append(label) or len(seen))
+    assert seen == ["A", "B"]
+
+
+def test_seeds_are_31_bit_and_distinct():
+    seeds = {sample_seed(42, s, c, k) for s in range(3) for c in range(3) for k in range(4)}
+    assert len(seeds) == 36
+    assert all(0 <= x < 2**31 for x in seeds)
+    assert sample_seed(42, 0, 0, 0) == sample_seed(42, 0, 0, 0)
+    assert sample_seed(42, 0, 0, 0) != sample_seed(43, 0, 0, 0)
+    assert thought_seed(42) == derive_seed(42, "think") != sample_seed(42, 0, 0, 0)
+
+
+def test_option_order():
+    x = question("team", n=5)
+    assert option_order(x, 0, 123) == [0, 1, 2, 3, 4]
+    orders = [option_order(x, k, sample_seed(42, 0, 0, k)) for k in range(1, 8)]
+    assert all(sorted(o) == [0, 1, 2, 3, 4] for o in orders)
+    assert any(o != [0, 1, 2, 3, 4] for o in orders)
+    assert option_order(x, 3, 99) == option_order(x, 3, 99)
+    # Scores keep their order; nouls' labels are the answer words themselves.
+    assert option_order(question("s", "score", 5), 3, 99) == [0, 1, 2, 3, 4]
+    assert option_order(question("u", "noul"), 3, 99) == [0, 1]
+
+
+def test_label_probs_and_mass():
+    lps = [math.log(0.6), math.log(0.2)]
+    assert stats.label_probs(lps) == pytest.approx([0.75, 0.25], abs=1e-15)
+    assert stats.label_mass(lps) == pytest.approx(0.8, abs=1e-15)
+    assert stats.label_probs([-math.inf, 0.0]) == [0.0, 1.0]
+
+
+def test_entropy():
+    assert stats.entropy([0.5, 0.5]) == pytest.approx(math.log(2))
+    assert stats.entropy([1.0, 0.0]) == 0.0
+
+
+def test_argmax_ties_go_to_first():
+    assert stats.argmax([0.4, 0.4, 0.2]) == 0
+    assert stats.argmax([0.1, 0.5, 0.4]) == 1
+
+
+def test_stderr():
+    assert stats.stderr([0.9, 0.3]) == pytest.approx(0.3)
+    assert stats.stderr([0.5]) == 0.0
+
+
+def test_confidence_probability_mode():
+    assert stats.confidence("choice", [0.8, 0.2]) == 0.8
+    assert stats.confidence("score", [0.1, 0.3, 0.6]) == 0.6
+    assert stats.confidence("noul", [0.3, 0.7]) == 0.7
+
+
+def test_confidence_typesafe_known_vectors():
+    assert stats.confidence("choice", [0.8, 0.2], "typesafe") == pytest.approx(0.6)
+    # mode 2, E|i-2| = 0.5, mean |i-1| over {0,1,2} = 2/3 -> 1 - 0.75
+    assert stats.confidence("score", [0.1, 0.3, 0.6], "typesafe") == pytest.approx(0.25)
+    assert stats.confidence("score", [1 / 3, 1 / 3, 1 / 3], "typesafe") == 0.0  # clipped at 0 (1 - 1/(2/3) < 0)
+    assert stats.confidence("score", [0.0, 1.0, 0.0], "typesafe") == 1.0
+    assert stats.confidence("choice", [0.25] * 4, "typesafe") == pytest.approx(0.0)
+    # A noul keeps max(P(yes), P(no)).
+    assert stats.confidence("noul", [0.3, 0.7], "typesafe") == 0.7
+
+
+def test_expected_index():
+    assert stats.expected_index([0.1, 0.3, 0.6]) == pytest.approx(1.5)
+
+
+logprob = st.floats(min_value=-60.0, max_value=0.0, allow_nan=False)
+
+
+@given(st.integers(2, 26).flatmap(lambda n: st.lists(st.lists(logprob, min_size=n, max_size=n), min_size=1, max_size=8)))
+def test_averaged_probabilities_sum_to_one(samples):
+    avg = stats.average([stats.label_probs(lps) for lps in samples])
+    assert abs(math.fsum(avg) - 1.0) < 1e-9
+    assert sum(avg) == pytest.approx(1.0, abs=1e-9)
+    assert all(0.0 <= p <= 1.0 for p in avg)
