@@ -1,0 +1,25 @@
+"""llama.cpp side of gmlx: loading GGUFs and the two read strategies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import NotImplementedStrategy
+
+
+def open_reader(lm, settings: dict[str, Any]):
+    """The Reader for a loaded model, by its strategy (SPEC 3). It owns a
+    llama.cpp context: create it on the thread that will use it."""
+    if lm.strategy == "next-token":
+        from .nexttoken import NextTokenReader
+
+        return NextTokenReader(lm, settings)
+    if lm.strategy == "canvas":
+        from .canvas import CanvasReader
+
+        return CanvasReader(lm, settings)
+    raise NotImplementedStrategy(
+        f"model {lm.model_id!r} ({lm.architecture}) has no read strategy: it is neither a diffusion model "
+        "nor a chat model with a chat template",
+        param="model",
+    )
