@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -40,18 +39,11 @@ def serve(
     """Serve decisions over HTTP."""
     cfg = _config(config)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import uvicorn
-
-    from .server.app import create_app
+    from .server.app import create_app, run
 
     application = create_app(cfg, preload=preload)
-    uvicorn.run(
-        application,
-        host=host or cfg.server.host,
-        port=cfg.server.port if port is None else port,
-        log_level=log_level.lower(),
-        timeout_graceful_shutdown=30,
-    )
+    run(application, host=host or cfg.server.host, port=cfg.server.port if port is None else port,
+        log_level=log_level.lower())
 
 
 def _human_size(n: int) -> str:
@@ -139,9 +131,3 @@ def models(
             typer.echo(f"    note: {r['note']}")
 
 
-def main() -> None:  # pragma: no cover
-    app()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(app())

@@ -13,7 +13,7 @@ import os
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -117,7 +117,7 @@ class SystemOneConfig(_Strict):
     constrained: bool = True
     max_questions: int = Field(64, ge=1, le=1024)
     max_samples: int = Field(32, ge=1, le=1024)
-    think: Union[Literal["auto"], int] = 0
+    think: Any = 0  # 0..4096 or "auto"; checked below, one message for both shapes
     think_threshold: float = Field(0.8, gt=0, le=1)
     think_budget: int = Field(64, ge=1, le=4096)
     confidence: Literal["probability", "typesafe"] = "probability"
@@ -133,9 +133,9 @@ class SystemOneConfig(_Strict):
     @field_validator("think")
     @classmethod
     def _think_range(cls, v: Any) -> Any:
-        if v != "auto" and not (0 <= v <= 4096):
-            raise ValueError('must be 0..4096 or "auto"')
-        return v
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 4096):
+            return v
+        raise ValueError('must be 0..4096 or "auto"')
 
     def decision_settings(self) -> DecisionSettings:
         return DecisionSettings(

@@ -581,6 +581,8 @@ _ARCHS: dict[str, _Arch] = {
     "qwen3": _Arch(qk_norm=True, n_head_kv=2, rope_freq_base=1e6, chat_template=QWEN3_CHAT_TEMPLATE),
     "gemma3": _Arch(qk_norm=True, post_norms=True, n_head_kv=1, rope_freq_base=1e6, sliding_window=512,
                     default_vocab="gemma"),
+    # A plain causal llama block with no chat template: a model with no read strategy.
+    "llama": _Arch(n_head_kv=4, rope_freq_base=10000.0),
 }
 
 _QWEN_CHAT_TOKENS = [
