@@ -46,6 +46,66 @@ def serve(
         log_level=log_level.lower())
 
 
+@app.command()
+def systemone(
+    request: str = typer.Argument(..., help="request file (JSON)"),
+    url: Optional[str] = typer.Option(None, help="server base URL, e.g. http://127.0.0.1:8080"),
+    host: Optional[str] = typer.Option(None, help="server host (default: the config's, or 127.0.0.1)"),
+    port: Optional[int] = typer.Option(None, help="server port (default: the config's, or 8080)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="GMLX_API_KEY", help="bearer key"),
+    seed: Optional[int] = typer.Option(None, help="override the request's seed"),
+    as_json: bool = typer.Option(False, "--json", help="print the whole response body"),
+    model: Optional[str] = typer.Option(None, "--model", help="answer offline with this model id or GGUF file"),
+    config: Optional[str] = typer.Option(None, "--config", "-c", help="decisions.yaml (models, server address)"),
+) -> None:
+    """Answer a request file: through a running server, or offline with --model."""
+    import json
+
+    from .errors import GmlxError
+    from .systemone import HTTPFailure, RequestFileError, format_answers, post, read_request, run_offline
+
+    if model and (url or host or port is not None):
+        typer.echo("gmlx: --model answers offline; it cannot be combined with --url, --host or --port", err=True)
+        raise typer.Exit(2)
+    try:
+        body = read_request(request)
+    except RequestFileError as err:
+        _fail(f"gmlx: {err}", 1)
+    if seed is not None:
+        body["seed"] = seed
+    if model:
+        logging.basicConfig(level=logging.WARNING)
+        try:
+            response = run_offline(body, model, config)
+        except ConfigError as err:
+            _fail(f"gmlx: {err}", 2)
+        except GmlxError as err:
+            _fail(f"gmlx: {err.status} {err.type}: {err.message}", 1)
+        except Exception as err:  # a load failure: one line, not a traceback
+            _fail(f"gmlx: {err}", 1)
+    else:
+        if url is None:
+            cfg_host, cfg_port = "127.0.0.1", 8080
+            if config:
+                cfg = _config(config)
+                cfg_host, cfg_port = cfg.server.host, cfg.server.port
+            if cfg_host in ("0.0.0.0", "::", ""):
+                cfg_host = "127.0.0.1"
+            url = f"http://{host or cfg_host}:{port if port is not None else cfg_port}"
+        try:
+            response = post(url, body, api_key)
+        except ConnectionError:
+            _fail(f"gmlx: no server at {url}; start one with `gmlx serve --config decisions.yaml`, "
+                  "or answer offline with --model", 1)
+        except HTTPFailure as err:
+            _fail(f"gmlx: {err}", 1)
+    if as_json:
+        typer.echo(json.dumps(response, indent=2, ensure_ascii=False))
+    else:
+        for line in format_answers(body, response):
+            typer.echo(line)
+
+
 def _human_size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":

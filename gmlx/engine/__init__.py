@@ -7,9 +7,10 @@ from typing import Any
 from ..errors import NotImplementedStrategy
 
 
-def open_reader(lm, settings: dict[str, Any]):
+def open_reader(lm, settings: dict[str, Any], canvas: int = 64):
     """The Reader for a loaded model, by its strategy (SPEC 3). It owns a
-    llama.cpp context: create it on the thread that will use it."""
+    llama.cpp context: create it on the thread that will use it. `canvas` is
+    the served canvas width (`server.systemone.canvas`) for canvas reads."""
     if lm.strategy == "next-token":
         from .nexttoken import NextTokenReader
 
@@ -17,7 +18,7 @@ def open_reader(lm, settings: dict[str, Any]):
     if lm.strategy == "canvas":
         from .canvas import CanvasReader
 
-        return CanvasReader(lm, settings)
+        return CanvasReader(lm, settings, canvas=canvas)
     raise NotImplementedStrategy(
         f"model {lm.model_id!r} ({lm.architecture}) has no read strategy: it is neither a diffusion model "
         "nor a chat model with a chat template",
