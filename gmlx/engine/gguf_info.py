@@ -3,6 +3,8 @@ architectures the linked llama.cpp can load."""
 
 from __future__ import annotations
 
+import mmap
+import struct
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -22,34 +24,99 @@ class GGUFInfo:
     context_length: int | None
 
 
-def _field_value(reader, key: str):
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    try:
-        return field.contents()
-    except Exception:  # older gguf packages
-        part = field.parts[field.data[0]]
-        return bytes(part).decode("utf-8", "replace") if part.dtype.kind == "u" and part.itemsize == 1 else part[0]
+# GGUF value types (gguf spec): sizes of the fixed-width scalars.
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def _header_values(path: Path, wanted: frozenset[str]) -> dict[str, object]:
+    """The values of `wanted` keys from a GGUF header, by a plain scan.
+
+    gguf's GGUFReader builds an object per array item: on a 262k-token
+    vocabulary that takes tens of seconds. This skips arrays by their sizes
+    (string arrays item by item, without decoding) and keeps only what is asked.
+    """
+    out: dict[str, object] = {}
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        size = len(mm)
+
+        def need(o: int, n: int) -> None:
+            if o + n > size:
+                raise ValueError("header runs past the end of the file")
+
+        def read_str(o: int) -> tuple[bytes, int]:
+            need(o, 8)
+            (n,) = struct.unpack_from("<Q", mm, o)
+            need(o + 8, n)
+            return mm[o + 8 : o + 8 + n], o + 8 + n
+
+        def skip_str(o: int) -> int:
+            need(o, 8)
+            (n,) = struct.unpack_from("<Q", mm, o)
+            need(o + 8, n)
+            return o + 8 + n
+
+        def read_val(vt: int, o: int, keep: bool) -> tuple[object, int]:
+            if vt == _STRING:
+                if not keep:
+                    return None, skip_str(o)
+                raw, o = read_str(o)
+                return raw.decode("utf-8", "replace"), o
+            if vt == _ARRAY:
+                need(o, 12)
+                et, n = struct.unpack_from("<IQ", mm, o)
+                o += 12
+                if et in _SCALAR:
+                    width = struct.calcsize(_SCALAR[et])
+                    need(o, n * width)
+                    return None, o + n * width
+                for _ in range(n):
+                    _, o = read_val(et, o, False)
+                return None, o
+            fmt = _SCALAR.get(vt)
+            if fmt is None:
+                raise ValueError(f"unknown value type {vt}")
+            width = struct.calcsize(fmt)
+            need(o, width)
+            return struct.unpack_from(fmt, mm, o)[0], o + width
+
+        need(0, 24)
+        if mm[:4] != b"GGUF":
+            raise ValueError("bad magic (not a GGUF file)")
+        (version,) = struct.unpack_from("<I", mm, 4)
+        if version < 2:
+            raise ValueError(f"GGUF version {version} is not supported")
+        _n_tensors, n_kv = struct.unpack_from("<QQ", mm, 8)
+        off = 24
+        for _ in range(n_kv):
+            key, off = read_str(off)
+            need(off, 4)
+            (vt,) = struct.unpack_from("<I", mm, off)
+            off += 4
+            name = key.decode("utf-8", "replace")
+            keep = name in wanted or name.endswith(".context_length")
+            val, off = read_val(vt, off, keep)
+            if keep:
+                out[name] = val
+    return out
 
 
 def read_info(path: str | Path) -> GGUFInfo:
     """Header facts; raises ValueError for a file that is not a readable GGUF."""
-    from gguf import GGUFReader  # numpy memmap: weights are never read
-
     p = Path(path)
+    wanted = frozenset({"general.architecture", "diffusion.canvas_length", "tokenizer.chat_template"})
     try:
-        reader = GGUFReader(str(p), "r")
-    except Exception as err:  # truncated, wrong magic, bad header
+        values = _header_values(p, wanted)
+    except (OSError, ValueError, struct.error) as err:  # truncated, wrong magic, bad header
         raise ValueError(f"{p}: not a readable GGUF file ({err})") from None
-    arch = _field_value(reader, "general.architecture") or "unknown"
-    canvas = _field_value(reader, "diffusion.canvas_length")
-    ctx = _field_value(reader, f"{arch}.context_length")
+    arch = values.get("general.architecture") or "unknown"
+    canvas = values.get("diffusion.canvas_length")
+    ctx = values.get(f"{arch}.context_length")
     return GGUFInfo(
         path=p,
         size=p.stat().st_size,
         architecture=str(arch),
-        has_chat_template=_field_value(reader, "tokenizer.chat_template") is not None,
+        has_chat_template=values.get("tokenizer.chat_template") is not None,
         canvas_length=int(canvas) if canvas is not None else None,
         context_length=int(ctx) if ctx is not None else None,
     )

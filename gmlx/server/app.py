@@ -1,0 +1,295 @@
+"""The HTTP server: FastAPI app factory and routes (SPEC 6).
+
+    POST /v1/systemone, POST /systemone   decisions (one handler)
+    GET  /v1/models                       configured models and aliases (OpenAI and Jev shapes)
+    GET  /health                          liveness, per-model state, request counters
+    GET  /openapi.json                    FastAPI's schema
+
+A decision is admitted on the event loop side (auth, body, parse, model
+resolution, load, `admit`) and only then queued on its model's worker
+(gmlx.server.worker); the handler waits for the result while watching for the
+client to go away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import datetime as dt
+import hmac
+import logging
+import math
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
+
+from .. import __version__ as gmlx_version
+from ..config import Config
+from ..decisions.request import parse_decision
+from ..decisions.run import admit
+from ..errors import AuthenticationError, Cancelled, GmlxError, ServerError, Timeout
+from . import body as bodies
+from .errors import EnvelopeMiddleware, error_response, id_headers, install, new_request_id
+from .models import ModelManager
+
+log = logging.getLogger("gmlx.server")
+
+# How often a waiting handler checks whether its client is still there.
+DISCONNECT_POLL_S = 0.1
+# A decision whose read overruns token_queue_timeout_s is answered 504 this long
+# after the deadline even if the worker is still inside that read.
+TIMEOUT_GRACE_S = 1.0
+
+
+class Stats:
+    """Request counters shown on /health (and handy for tests)."""
+
+    def __init__(self) -> None:
+        self.decisions = 0
+        self.by_status: collections.Counter[str] = collections.Counter()
+        self.content_encoding: collections.Counter[str] = collections.Counter()
+        self.retried = 0  # requests a client marked as retries (X-TypeSafe-Retry-Count)
+        self.disconnects = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "decisions": self.decisions,
+            "by_status": dict(self.by_status),
+            "content_encoding": dict(self.content_encoding),
+            "retried": self.retried,
+            "disconnects": self.disconnects,
+        }
+
+
+def _summary(body: dict) -> str:
+    """Answers' top picks for the one log line per decision."""
+    parts = []
+    for qid, a in (body.get("answers") or {}).items():
+        if a is None:
+            parts.append(f"{qid}=skipped")
+        elif a.get("type") == "noul":
+            parts.append(f"{qid}={a['noul']:.3f}")
+        elif a.get("type") == "choice":
+            parts.append(f"{qid}={a['choice']}({a['confidence']:.2f})")
+        elif a.get("type") == "score":
+            parts.append(f"{qid}={a['score']:.2f}({a['confidence']:.2f})")
+    return " ".join(parts)
+
+
+def create_app(cfg: Config, preload: bool = False) -> FastAPI:
+    manager = ModelManager(cfg)
+    stats = Stats()
+    started = time.time()
+    api_key = cfg.server.api_key
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.loop = asyncio.get_running_loop()
+        if preload:
+            await manager.preload()
+        yield
+        await manager.close()
+
+    app = FastAPI(
+        title="gmlx",
+        version=gmlx_version,
+        summary="Structured decisions from the logits of GGUF models (llama.cpp)",
+        lifespan=lifespan,
+    )
+    app.state.manager = manager
+    app.state.stats = stats
+    install(app)
+    app.add_middleware(EnvelopeMiddleware)
+
+    def check_auth(request: Request) -> None:
+        if api_key is None:
+            return  # no key configured: any bearer token, or none, is accepted
+        header = request.headers.get("authorization") or ""
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise AuthenticationError("missing API key: send Authorization: Bearer <key>")
+        if not hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"), api_key.encode("utf-8")):
+            raise AuthenticationError("invalid API key")
+
+    async def read_body(request: Request) -> dict:
+        limit = cfg.server.max_body_bytes
+        bodies.check_content_type(request)
+        codings = bodies.encodings_of(request.headers.get("content-encoding"))
+        for c in codings or ["identity"]:
+            stats.content_encoding["gzip" if c == "x-gzip" else c] += 1
+        if codings:
+            log.debug("request body Content-Encoding: %s", ", ".join(codings))
+        raw = await bodies.read_raw(request, limit)
+        data = bodies.decode(raw, codings, limit) if codings else raw
+        return bodies.parse_json_object(data)
+
+    async def wait_result(request: Request, worker, job) -> dict | None:
+        """The decision's body, or None when the client went away."""
+        fut = asyncio.wrap_future(job.future)
+        try:
+            while True:
+                done, _ = await asyncio.wait({fut}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return fut.result()
+                if await request.is_disconnected():
+                    worker.cancel(job)
+                    return None
+                if job.started is not None and time.monotonic() > job.started + worker.timeout_s + TIMEOUT_GRACE_S:
+                    worker.cancel(job)
+                    raise worker.timeout_error()
+        finally:
+            if not fut.done():
+                worker.cancel(job)
+                # Nobody reads the outcome of an abandoned decision: consume it quietly.
+                fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def systemone(request: Request) -> Response:
+        t0 = time.monotonic()
+        slot = None
+        stats.decisions += 1
+        if request.headers.get("x-typesafe-retry-count"):
+            stats.retried += 1
+        try:
+            check_auth(request)
+            payload = await read_body(request)
+            decision = parse_decision(payload, manager.settings)
+            model_id = manager.resolve(decision.model)
+            profile = manager.profile_for(model_id, decision.profile)
+            slot = await manager.ready(model_id, profile)
+            worker = slot.worker
+            # Tokenizing a long state takes a while: off the event loop (the
+            # reader's check only tokenizes, which is safe beside its worker).
+            await asyncio.to_thread(admit, decision, worker.reader, manager.settings)
+            if decision.ignored:
+                log.warning("ignoring unsupported parameter(s): %s", ", ".join(decision.ignored))
+            job = worker.submit(decision)
+            result = await wait_result(request, worker, job)
+        except ClientDisconnect:
+            stats.disconnects += 1
+            log.info("client went away while sending its body")
+            return Response(status_code=400)
+        except Cancelled:
+            result = None
+        except GmlxError as err:
+            stats.by_status[str(err.status)] += 1
+            if err.status >= 500 and not isinstance(err, Timeout):
+                log.warning("decision failed (%d %s): %s", err.status, err.type, err.message)
+            else:
+                log.info("decision refused (%d %s): %s", err.status, err.type, err.message)
+            return error_response(err)
+        except Exception as err:  # noqa: BLE001 - e.g. a chat template that fails on this request
+            stats.by_status["500"] += 1
+            log.exception("decision failed unexpectedly")
+            return error_response(ServerError(f"the decision failed: {type(err).__name__}: {err}"))
+        if result is None:
+            stats.disconnects += 1
+            log.info("client went away: decision on %s cancelled after %.0f ms",
+                     slot.name if slot else "?", (time.monotonic() - t0) * 1000)
+            return Response(status_code=499)
+        stats.by_status["200"] += 1
+        timing = result["diagnostics"]["timing"]
+        log.info(
+            "decision %s model=%s%s %s reads=%d ms=%.0f queue_ms=%.0f",
+            result["id"], model_id, f"@{profile}" if profile else "", _summary(result),
+            timing.get("reads", 0), (time.monotonic() - t0) * 1000, timing.get("queue_ms", 0),
+        )
+        return _json_response(result, headers=id_headers(result["id"]))
+
+    app.add_api_route("/v1/systemone", systemone, methods=["POST"], summary="Answer a structured decision")
+    app.add_api_route("/systemone", systemone, methods=["POST"], summary="Answer a structured decision (alias)")
+
+    @app.get("/v1/models", summary="Configured models and aliases")
+    async def list_models(request: Request) -> Response:
+        check_auth(request)
+        created = int(started)
+        names: list[tuple[str, str]] = [(mid, mid) for mid in cfg.models]
+        names += [(alias, target) for alias, target in cfg.aliases.items() if alias not in cfg.models]
+        data, jev = [], []
+        for name, target in names:
+            data.append({"id": name, "object": "model", "created": created, "owned_by": "gmlx"})
+            jev.append({
+                "name": name,
+                "description": _describe(cfg, manager, name, target),
+                "release_date": _release_date(manager, target, started),
+            })
+        return JSONResponse({"object": "list", "data": data, "models": jev})
+
+    @app.get("/health", summary="Liveness and per-model state")
+    async def health() -> Response:
+        fallback = cfg.fallback_id()
+        return JSONResponse({
+            "status": "shutting_down" if manager.stopping else "ok",
+            "version": gmlx_version,
+            "uptime_s": round(time.time() - started, 1),
+            "fallback_model": fallback,
+            "models": manager.health(),
+            "requests": stats.as_dict(),
+        })
+
+    return app
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _json_response(content: dict, headers: dict[str, str]) -> JSONResponse:
+    """JSON has no NaN or infinity: should a diagnostic carry one, it becomes null."""
+    try:
+        return JSONResponse(content, headers=headers)
+    except ValueError:
+        log.warning("response %s carried a non-finite number; sent as null", content.get("id"))
+        return JSONResponse(_finite(content), headers=headers)
+
+
+def _describe(cfg: Config, manager: ModelManager, name: str, target: str) -> str:
+    slot = next((s for (m, _), s in manager.slots.items() if m == target and s.info), None)
+    arch = f" ({slot.info.get('architecture')}, {slot.info.get('strategy') or 'no read strategy'})" if slot else ""
+    if name != target:
+        return f"alias of {target!r}: a GGUF model served by gmlx through llama.cpp{arch}"
+    source = cfg.models[target].source
+    short = source if source.startswith("package:") else source.rsplit("/", 1)[-1]
+    return f"GGUF model {short} served by gmlx through llama.cpp{arch}"
+
+
+def _release_date(manager: ModelManager, model_id: str, started: float) -> str:
+    """The model file's modification date (YYYY-MM-DD), else the server's start date."""
+    stamp = started
+    path = manager.known_path(model_id)
+    try:
+        if path is not None:
+            stamp = path.stat().st_mtime
+    except OSError:
+        pass
+    return dt.datetime.fromtimestamp(stamp, dt.timezone.utc).strftime("%Y-%m-%d")
+
+
+
+
+def run(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
+    """Serve `app` with uvicorn. On SIGTERM/SIGINT the decisions waiting in the
+    queues get 503 at once and new ones are refused, while uvicorn lets the
+    running ones finish (graceful shutdown, 30 s at most)."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            loop = getattr(app.state, "loop", None)
+            manager: ModelManager = app.state.manager
+            if loop is not None and not loop.is_closed():
+                # A signal handler must not take the workers' locks: hand it to the loop.
+                loop.call_soon_threadsafe(manager.begin_shutdown)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)
+    _Server(config).run()
