@@ -1,6 +1,7 @@
 """The HTTP server: FastAPI app factory and routes (SPEC 6).
 
     POST /v1/systemone, POST /systemone   decisions (one handler)
+    POST /v1/decisions                    the same decisions in OpenAI's shapes (SPEC 8)
     GET  /v1/models                       configured models and aliases (OpenAI and Jev shapes)
     GET  /health                          liveness, per-model state, request counters
     GET  /openapi.json                    FastAPI's schema
@@ -29,12 +30,12 @@ from starlette.requests import ClientDisconnect
 
 from .. import __version__ as gmlx_version
 from ..config import Config
-from ..decisions.request import parse_decision
 from ..decisions.run import admit
 from ..errors import AuthenticationError, Cancelled, GmlxError, ServerError, Timeout
 from . import body as bodies
 from .errors import EnvelopeMiddleware, error_response, id_headers, install, new_request_id
 from .models import ModelManager
+from .openai_decisions import OpenAIDecisionsRoute, SystemOneRoute
 
 log = logging.getLogger("gmlx.server")
 
@@ -147,7 +148,10 @@ def create_app(cfg: Config, preload: bool = False) -> FastAPI:
                 # Nobody reads the outcome of an abandoned decision: consume it quietly.
                 fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
-    async def systemone(request: Request) -> Response:
+    async def serve_decision(request: Request, route) -> Response:
+        """The one decision path of every decision route: `route` (a SystemOneRoute
+        or an OpenAIDecisionsRoute) parses the body into a Decision, shapes the
+        SPEC 4.8 result into its response, and may restate an error for its callers."""
         t0 = time.monotonic()
         slot = None
         stats.decisions += 1
@@ -156,7 +160,7 @@ def create_app(cfg: Config, preload: bool = False) -> FastAPI:
         try:
             check_auth(request)
             payload = await read_body(request)
-            decision = parse_decision(payload, manager.settings)
+            decision = route.parse(payload, manager.settings)
             model_id = manager.resolve(decision.model)
             profile = manager.profile_for(model_id, decision.profile)
             slot = await manager.ready(model_id, profile)
@@ -175,6 +179,7 @@ def create_app(cfg: Config, preload: bool = False) -> FastAPI:
         except Cancelled:
             result = None
         except GmlxError as err:
+            err = route.error(err)
             stats.by_status[str(err.status)] += 1
             if err.status >= 500 and not isinstance(err, Timeout):
                 log.warning("decision failed (%d %s): %s", err.status, err.type, err.message)
@@ -190,17 +195,33 @@ def create_app(cfg: Config, preload: bool = False) -> FastAPI:
             log.info("client went away: decision on %s cancelled after %.0f ms",
                      slot.name if slot else "?", (time.monotonic() - t0) * 1000)
             return Response(status_code=499)
+        try:
+            content = route.respond(result)
+        except Exception as err:  # noqa: BLE001 - a response the route cannot shape is the server's fault
+            stats.by_status["500"] += 1
+            log.exception("decision %s could not be shaped for its route", result.get("id"))
+            return error_response(ServerError(f"the decision failed: {type(err).__name__}: {err}"))
         stats.by_status["200"] += 1
         timing = result["diagnostics"]["timing"]
+        note = route.note()
         log.info(
-            "decision %s model=%s%s %s reads=%d ms=%.0f queue_ms=%.0f",
+            "decision %s model=%s%s %s reads=%d ms=%.0f queue_ms=%.0f%s",
             result["id"], model_id, f"@{profile}" if profile else "", _summary(result),
             timing.get("reads", 0), (time.monotonic() - t0) * 1000, timing.get("queue_ms", 0),
+            f" {note}" if note else "",
         )
-        return _json_response(result, headers=id_headers(result["id"]))
+        return _json_response(content, headers=id_headers(result["id"]))
+
+    async def systemone(request: Request) -> Response:
+        return await serve_decision(request, SystemOneRoute())
+
+    async def decisions(request: Request) -> Response:
+        return await serve_decision(request, OpenAIDecisionsRoute())
 
     app.add_api_route("/v1/systemone", systemone, methods=["POST"], summary="Answer a structured decision")
     app.add_api_route("/systemone", systemone, methods=["POST"], summary="Answer a structured decision (alias)")
+    app.add_api_route("/v1/decisions", decisions, methods=["POST"],
+                      summary="Answer a decision in the shapes of OpenAI's Decisions API")
 
     @app.get("/v1/models", summary="Configured models and aliases")
     async def list_models(request: Request) -> Response:
