@@ -179,9 +179,9 @@ def test_question_longer_than_canvas_is_422():
     with pytest.raises(ValidationError) as caught:
         decide(d, FakeReader("canvas"), SETTINGS, "m")
     assert caught.value.param == f"questions.{long_id}"
-    # A bigger canvas takes it.
+    # A bigger canvas (served and held by the model) takes it.
     big = DecisionSettings(canvas=128)
-    response = decide(parse_decision(body, big), FakeReader("canvas"), big, "m")
+    response = decide(parse_decision(body, big), FakeReader("canvas", canvas=128), big, "m")
     assert set(response["answers"]) == {"a", long_id}
 
 
@@ -192,6 +192,17 @@ def test_chunk_rows_above_canvas_capped():
     body = ticket_body(questions=SIX, chunk_rows=1000, samples=1)
     response, _ = run(body, FakeReader("canvas"), settings)
     assert response["diagnostics"]["chunks"] == [[["q1", "q2", "q3"], ["q4", "q5", "q6"]]]
+
+
+def test_reader_with_a_smaller_canvas_plans_for_its_own():
+    """A model whose canvas_length is below the served canvas: chunks fit the model's."""
+    body = ticket_body(questions=SIX, samples=1)
+    response, reader = run(body, FakeReader("canvas", canvas=16), DecisionSettings(canvas=64))
+    assert response["diagnostics"]["chunks"] == [[["q1", "q2", "q3"], ["q4", "q5", "q6"]]]
+    # And a question too long for the model's canvas is refused at admission.
+    long_body = ticket_body(questions={"a": {"type": "noul"}, "x" * 20: {"type": "noul"}})
+    with pytest.raises(ValidationError):
+        admit(parse_decision(long_body, SETTINGS), FakeReader("canvas", canvas=16), DecisionSettings(canvas=64))
 
 
 def test_next_token_reads_a_stage_at_once():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 
 from . import answers
 from .plan import Plan, check_rows, make_plan
@@ -33,13 +34,23 @@ def unsupported(decision: Decision, reader: Reader) -> list[str]:
     return out
 
 
+def served(settings: DecisionSettings, reader: Reader) -> DecisionSettings:
+    """The settings as this reader serves them: a canvas model may hold fewer
+    canvas rows (its `diffusion.canvas_length`) than the server offers, and
+    chunks must be planned for the canvas the reads will really have."""
+    rows = getattr(reader, "canvas", None)
+    if isinstance(rows, int) and 0 < rows < settings.canvas:
+        return replace(settings, canvas=rows)
+    return settings
+
+
 def admit(decision: Decision, reader: Reader, settings: DecisionSettings | None = None) -> None:
     """Admission checks before queueing: the reader's own (labels, templates,
     context), the canvas rows when settings are given, and the reader-specific
     unused fields added to `decision.ignored` (log it after this call)."""
     reader.check(decision)
     if settings is not None:
-        check_rows(decision, reader, settings)
+        check_rows(decision, reader, served(settings, reader))
     _note_unsupported(decision, reader)
 
 
@@ -59,6 +70,7 @@ def decide(
     reset = getattr(reader, "reset", None)
     if reset is not None:
         reset()
+    settings = served(settings, reader)
     plan = make_plan(decision, settings)
     think = decision.think if reader.can_think else 0
 

@@ -75,6 +75,7 @@ def run_pass(
                 answered=seen,
                 sample=0,
                 seed=0,
+                total=plan.total,
                 steps=decision.steps,
                 thought=thought,
                 chat_template_kwargs=decision.chat_template_kwargs,

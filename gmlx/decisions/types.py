@@ -111,6 +111,9 @@ class Read:
     answered: tuple[Answered, ...]  # earlier answers the prompt states
     sample: int  # 0-based sample index within its chunk
     seed: int  # this sample's seed, derived from the request seed and the chunk
+    # Questions the decision answers: the canvas template's layout (lines up to
+    # ten, compact above) depends on it. 0 = unknown: the read's own questions.
+    total: int = 0
     steps: int = 1
     thought: Thought | None = None
     chat_template_kwargs: dict[str, Any] | None = None
