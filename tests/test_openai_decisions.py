@@ -10,7 +10,6 @@ talks to it; raw httpx posts check the wire shapes and the 400 rules.
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import math
 import re
@@ -262,8 +261,6 @@ def test_busy_model_answers_503_with_retry_after(server, client):
 # -- a canvas model answers the same API ------------------------------------------
 
 
-@pytest.mark.skipif(importlib.util.find_spec("gmlx.engine.canvas") is None,
-                    reason="the canvas engine (gmlx/engine/canvas.py) is not in this tree yet")
 def test_tiny_diffusion_model_answers(client, server):
     result = client.decisions.create(model="llada", input=STATE, questions=QUESTIONS)
     check_typed(result, model="llada")
