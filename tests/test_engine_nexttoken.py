@@ -299,3 +299,16 @@ def test_model_without_thinking_ignores_think(gemma):
     assert "think" in d.ignored
     resp = decide(d, gemma, SETTINGS, "m")
     assert resp["diagnostics"]["thought"] is None
+
+
+def test_repeated_prompts_are_read_once_per_decision(qwen, monkeypatch):
+    """A noul's and a score's later samples repeat sample 0's prompt: evaluated once."""
+    evaluated = []
+    real = qwen._evaluate
+    monkeypatch.setattr(qwen, "_evaluate", lambda toks: evaluated.append(len(toks)) or real(toks))
+    qs = _many_questions(4)  # noul, choice, score, noul
+    resp = decide(_decision({"state": "My card was charged twice.", "questions": qs, "samples": 3}), qwen, SETTINGS, "m")
+    assert resp["diagnostics"]["samples"]["n"] == 3
+    # Sample 0 reads all four; samples 1 and 2 only the choice, whose options move.
+    assert evaluated == [4, 1, 1]
+    assert resp["diagnostics"]["questions"]["q0"]["stderr"] == 0.0

@@ -61,8 +61,9 @@ class NextTokenReader:
         )
         self._cached: list[int] = []  # tokens held by sequence 0
         # Within a decision, a prompt read once is not read again (a noul's or a
-        # score's later samples list the same prompt as sample 0).
-        self._rows: dict[tuple[int, ...], np.ndarray] = {}
+        # score's later samples list the same prompt as sample 0). Only the slot
+        # result is kept: a full logits row is 1 MB on a 262k vocabulary.
+        self._slots: dict[tuple[int, ...], SlotRead] = {}
         self._label_ids: dict[str, int | None] = {}
 
     # -- protocol ----------------------------------------------------------
@@ -70,7 +71,7 @@ class NextTokenReader:
         """Start of a decision: nothing of the previous one stays in the cache."""
         self.ctx.clear()
         self._cached = []
-        self._rows = {}
+        self._slots = {}
 
     def template_rows(self, questions, total) -> int:  # noqa: ARG002 - no canvas
         return 0
@@ -115,21 +116,29 @@ class NextTokenReader:
     def read(self, read: Read) -> ReadResult:
         t0 = time.perf_counter()
         built = [self._prompt(read, q) for q in read.questions]
-        rows = self._evaluate([p.tokens for p in built])
-        slots = {}
-        for p, row in zip(built, rows):
-            lp = log_softmax(row)
-            listed_ids = [self.label_token(lab) for lab in p.question.labels[: len(p.order)]]
-            by_option = [0.0] * len(p.order)
-            for k, opt in enumerate(p.order):
-                by_option[opt] = float(lp[listed_ids[k]])
-            slots[p.question.id] = SlotRead(tuple(by_option), int(np.argmax(row)) in set(listed_ids))
+        # The prompt's tokens fix the question and its option order, so they key the result.
+        keys = [tuple(p.tokens) for p in built]
+        todo = {k: p for k, p in zip(keys, built) if k not in self._slots}
+        if todo:
+            rows = self._evaluate([p.tokens for p in todo.values()])
+            for (key, p), row in zip(todo.items(), rows):
+                self._slots[key] = self._slot(p, row)
         return ReadResult(
-            slots=slots,
+            slots={p.question.id: self._slots[k] for k, p in zip(keys, built)},
             prompt_tokens=max(len(p.tokens) for p in built),
             output_tokens=len(built),
             ms=(time.perf_counter() - t0) * 1000,
         )
+
+    def _slot(self, p: _Prompt, row: np.ndarray) -> SlotRead:
+        """Label log-probabilities over the full vocabulary, mapped back from the
+        listed order to the question's option order."""
+        lp = log_softmax(row)
+        listed_ids = [self.label_token(lab) for lab in p.question.labels[: len(p.order)]]
+        by_option = [0.0] * len(p.order)
+        for k, opt in enumerate(p.order):
+            by_option[opt] = float(lp[listed_ids[k]])
+        return SlotRead(tuple(by_option), int(np.argmax(row)) in set(listed_ids))
 
     # -- prompts -----------------------------------------------------------
     def _kwargs(self, user: dict[str, Any] | None, thinking: bool) -> dict[str, Any]:
@@ -155,16 +164,6 @@ class NextTokenReader:
 
     # -- evaluation --------------------------------------------------------
     def _evaluate(self, prompts_tokens: list[list[int]]) -> list[np.ndarray]:
-        """Logits of the last token of every prompt; prompts already read in
-        this decision come from memory."""
-        keys = [tuple(t) for t in prompts_tokens]
-        todo = list(dict.fromkeys(k for k in keys if k not in self._rows))
-        if todo:
-            for key, row in zip(todo, self._evaluate_new([list(k) for k in todo])):
-                self._rows[key] = row
-        return [self._rows[k] for k in keys]
-
-    def _evaluate_new(self, prompts_tokens: list[list[int]]) -> list[np.ndarray]:
         """Logits of the last token of every prompt, sharing their common prefix."""
         shortest = min(len(t) for t in prompts_tokens)
         prefix_len = _common_prefix(prompts_tokens, shortest - 1)
