@@ -317,5 +317,7 @@ def test_llama_supports_arch(tmp_path):
 
 def test_arch_probe_subprocess():
     # the slow path of llama_supports_arch, on a known and an unknown architecture
-    assert tiny_gguf._probe_arch("llada")
-    assert not tiny_gguf._probe_arch("diffusion-gemma-not-real")
+    from gmlx.engine.gguf_info import probe_arch
+
+    assert probe_arch("llada")
+    assert not probe_arch("diffusion-gemma-not-real")

@@ -90,9 +90,7 @@ import functools
 import mmap
 import os
 import struct
-import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -479,82 +477,8 @@ def _resolve_vocab(vocab: str | Vocab, think_token_type: str) -> Vocab:
 # llama.cpp capability check
 
 
-def _libllama_paths() -> list[Path]:
-    import importlib.util
-
-    spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or spec.origin is None:
-        return []
-    base = Path(spec.origin).parent
-    found: list[Path] = []
-    for d in (base / "lib", base):
-        if d.is_dir():
-            found += sorted(p for p in d.iterdir() if p.is_file() and "llama" in p.name and
-                            (p.suffix in (".so", ".dylib", ".dll") or ".so." in p.name))
-    return found
-
-
-_PROBE_SCRIPT = r"""
-import ctypes, sys
-import llama_cpp
-msgs = []
-@llama_cpp.llama_log_callback
-def _cb(level, text, user_data):
-    msgs.append(text.decode(errors="replace") if text else "")
-llama_cpp.llama_log_set(_cb, ctypes.c_void_p())
-p = llama_cpp.llama_model_default_params()
-p.n_gpu_layers = 0
-m = llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), p)
-if m:
-    llama_cpp.llama_model_free(m)
-text = "".join(msgs)
-print("UNKNOWN" if "unknown model architecture" in text else "KNOWN")
-"""
-
-
-@functools.lru_cache(maxsize=None)
-def llama_supports_arch(name: str) -> bool:
-    """Whether the llama.cpp linked by llama_cpp knows the architecture `name`.
-
-    First looks for the NUL-delimited string `name` in the libllama shared library
-    (llama.cpp keeps its architecture names as string literals); found means yes.
-    Not found is confirmed by loading a header-only GGUF with that architecture in
-    a subprocess and looking for llama.cpp's "unknown model architecture" error
-    (the linker can tail-merge a name into a longer literal, e.g. "gemma" into
-    "diffusion-gemma", so absence of the string alone is not proof)."""
-    needle = b"\0" + name.encode() + b"\0"
-    libs = _libllama_paths()
-    for lib in libs:
-        try:
-            with open(lib, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                if mm.find(needle) >= 0:
-                    return True
-        except (OSError, ValueError):
-            continue
-    if not libs:
-        return False  # no llama_cpp installed
-    return _probe_arch(name)
-
-
-def _probe_arch(name: str) -> bool:
-    """Load a header-only GGUF of architecture `name` in a subprocess: False when
-    llama.cpp says "unknown model architecture" (or the probe cannot run)."""
-    with tempfile.TemporaryDirectory() as d:
-        probe = Path(d) / "probe.gguf"
-        w = gguf.GGUFWriter(str(probe), name)
-        w.add_name("arch-probe")
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        try:
-            r = subprocess.run(
-                [sys.executable, "-c", _PROBE_SCRIPT, str(probe)], capture_output=True, text=True, timeout=120
-            )
-        except (OSError, subprocess.TimeoutExpired):
-            return False
-        lines = r.stdout.strip().splitlines()
-        return r.returncode == 0 and bool(lines) and lines[-1] == "KNOWN"
+# gmlx's own check: the name in libllama, confirmed by a probe load when absent.
+from gmlx.engine.gguf_info import llama_supports_arch  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------

@@ -134,14 +134,59 @@ def _libllama_bytes() -> bytes:
     return b"".join(chunks)
 
 
-def llama_supports_arch(arch: str) -> bool:
-    """Whether the linked llama.cpp registers `arch`.
+# Loads a header-only GGUF in a child process (a failed load must not take
+# this process's llama.cpp state with it) and reports llama.cpp's verdict.
+_PROBE = r"""
+import ctypes, sys
+import llama_cpp
+msgs = []
+@llama_cpp.llama_log_callback
+def _cb(level, text, user_data):
+    msgs.append(text.decode(errors="replace") if text else "")
+llama_cpp.llama_log_set(_cb, ctypes.c_void_p())
+p = llama_cpp.llama_model_default_params()
+p.n_gpu_layers = 0
+m = llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), p)
+if m:
+    llama_cpp.llama_model_free(m)
+print("UNKNOWN" if "unknown model architecture" in "".join(msgs) else "KNOWN")
+"""
 
-    llama.cpp keeps its architecture names as C strings in libllama; a build
-    that predates an architecture (diffusion-gemma in llama-cpp-python 0.3.36)
-    does not contain the name, so looking for it tells us before a load fails.
+
+@lru_cache(maxsize=None)
+def llama_supports_arch(arch: str) -> bool:
+    """Whether the linked llama.cpp knows the architecture `arch`.
+
+    llama.cpp keeps its architecture names as C string literals in libllama, so
+    finding the name is a yes. Not finding it is not proof (the linker may merge
+    "gemma" into the tail of "diffusion-gemma"), so a no is confirmed by loading a
+    header-only GGUF of that architecture in a child process and looking for
+    llama.cpp's "unknown model architecture".
     """
-    data = _libllama_bytes()
-    if not data:  # cannot tell: let the load decide
+    if b"\x00" + arch.encode() + b"\x00" in _libllama_bytes():
         return True
-    return b"\x00" + arch.encode() + b"\x00" in data
+    return probe_arch(arch)
+
+
+def probe_arch(arch: str) -> bool:
+    """Load a header-only GGUF of `arch` in a child process: False only when
+    llama.cpp answers "unknown model architecture"."""
+    import subprocess
+    import sys
+    import tempfile
+
+    import gguf
+
+    with tempfile.TemporaryDirectory() as d:
+        probe = Path(d) / "probe.gguf"
+        w = gguf.GGUFWriter(str(probe), arch)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        try:
+            r = subprocess.run([sys.executable, "-c", _PROBE, str(probe)], capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            return True  # cannot tell: let a real load decide
+        lines = r.stdout.strip().splitlines()
+        return not (r.returncode == 0 and lines and lines[-1] == "UNKNOWN")

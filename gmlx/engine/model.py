@@ -241,12 +241,6 @@ def load_model(model_id: str, path: Path, settings: dict[str, Any]) -> LoadedMod
         info = read_info(path)
     except ValueError as err:
         raise ModelLoadError(f"model {model_id!r}: {err}") from None
-    if not llama_supports_arch(info.architecture):
-        raise ModelLoadError(
-            f"model {model_id!r}: architecture {info.architecture!r} is not supported by the installed "
-            f"llama-cpp-python {llama_cpp.__version__}; install a llama-cpp-python whose bundled llama.cpp "
-            f"has it (pip install --upgrade llama-cpp-python)"
-        )
     if settings.get("rpc_servers"):
         _add_rpc_servers(settings["rpc_servers"])
     progress = _Progress(model_id)
@@ -254,6 +248,12 @@ def load_model(model_id: str, path: Path, settings: dict[str, Any]) -> LoadedMod
     mp = _model_params(settings, progress)
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
     if not model:
+        if not llama_supports_arch(info.architecture):
+            raise ModelLoadError(
+                f"model {model_id!r}: architecture {info.architecture!r} is not supported by the installed "
+                f"llama-cpp-python {llama_cpp.__version__}; install a llama-cpp-python whose bundled llama.cpp "
+                f"has it (pip install --upgrade llama-cpp-python)"
+            )
         raise ModelLoadError(
             f"model {model_id!r}: llama.cpp could not load {path} (architecture {info.architecture!r}; "
             "a truncated or corrupted file, or not enough memory)"
