@@ -25,6 +25,8 @@ MIN_STEPS, MAX_STEPS = 1, 8
 MAX_THINK = 4096
 MIN_CHUNK_ROWS = 8
 CHUNK_PROMPTS = ("own", "shared")
+# Names the server itself gives every chat template render (gmlx.engine.chat).
+RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "bos_token", "eos_token")
 
 
 def parse_decision(body: Any, settings: DecisionSettings) -> Decision:
@@ -176,6 +178,12 @@ def _kwargs(value: Any) -> dict | None:
         return None
     if not isinstance(value, dict):
         raise fail(f"chat_template_kwargs must be an object, got {describe(value)}", "chat_template_kwargs")
+    taken = [k for k in RESERVED_TEMPLATE_KWARGS if k in value]
+    if taken:
+        raise fail(
+            f"chat_template_kwargs cannot set {', '.join(taken)}: the server passes those to the chat template itself",
+            f"chat_template_kwargs.{taken[0]}",
+        )
     return value
 
 

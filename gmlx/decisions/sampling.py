@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -70,5 +71,9 @@ def _one(reader: Reader, read: Read, out: ChunkReads, checkpoint: Callable[[], N
         if slot is None or len(slot.logprobs) != len(q.options):
             raise ServerError(f"the read engine returned no usable result for question '{q.id}'")
         sample = Sample(stats.label_probs(slot.logprobs), stats.label_mass(slot.logprobs), slot.argmax_is_label)
+        if not all(math.isfinite(p) for p in sample.probs):
+            # NaN or infinite logits (a broken model file, a backend fault): an
+            # engine failure (500), never NaN answers sent as nulls with a 200.
+            raise ServerError(f"the model returned non-finite logits (NaN or infinity) for question '{q.id}'")
         out.samples.setdefault(q.id, []).append(sample)
     out.results.append(result)

@@ -21,7 +21,7 @@ from ..decisions import prompts
 from ..decisions.labels import check_label_tokens
 from ..decisions.seeds import option_order
 from ..decisions.types import Decision, Question, Read, ReadResult, SlotRead, Thought
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, ValidationError
 from .context import Context, Entry, log_softmax
 from .model import LoadedModel
 
@@ -85,33 +85,59 @@ class NextTokenReader:
 
     def check(self, decision: Decision) -> None:
         check_label_tokens(decision.questions, self.label_token)
-        need = self.largest_prompt(decision)
-        if need > self.ctx.n_ctx:
-            raise InvalidRequest(
-                f"the decision's largest prompt needs {need} tokens but the context holds {self.ctx.n_ctx}; "
-                "shorten the state or serve the model with a larger n_ctx",
-                param="state",
-            )
+        n_ctx = self.ctx.n_ctx
+        # Every prompt holds the whole state: a state that alone overflows the
+        # context is refused after one tokenization, not one per question.
+        # (The margin covers tokens merging across the state's two edges.)
+        state_tokens = len(self.lm.encode(decision.state))
+        if state_tokens > n_ctx + 8:
+            raise self._too_long(f"the state alone is {state_tokens} tokens")
+        try:
+            need = self.largest_prompt(decision)
+        except Exception as err:  # noqa: BLE001
+            # The chat template runs here with the caller's chat_template_kwargs
+            # for the first time: a template they make fail is their request's fault.
+            if decision.chat_template_kwargs:
+                raise ValidationError(
+                    f"the model's chat template fails with these chat_template_kwargs ({type(err).__name__}: {err})",
+                    param="chat_template_kwargs",
+                ) from None
+            raise
+        if need > n_ctx:
+            raise self._too_long(f"the decision's largest prompt needs {need} tokens")
+
+    def _too_long(self, what: str) -> InvalidRequest:
+        return InvalidRequest(
+            f"{what} but the context holds {self.ctx.n_ctx}; "
+            "shorten the state or serve the model with a larger n_ctx",
+            param="state",
+        )
 
     def largest_prompt(self, decision: Decision) -> int:
-        """Tokens of the largest prompt any read can build: every other question
-        answered with its longest option, plus a thought at full budget."""
+        """Tokens of the largest prompt any read can build: each question with
+        the questions it depends on answered with their longest option (a read
+        states only those, see _prompt), plus a thought at full budget; or the
+        prompt the thought is written on, if that is longer."""
         from ..decisions.types import Answered
 
         think = decision.think_budget if decision.think == "auto" else int(decision.think or 0)
         think = think if self.can_think else 0
+        by_id = {q.id: q for q in decision.questions}
         worst = 0
         for q in decision.questions:
             answered = tuple(
                 Answered(o, max(range(len(o.options)), key=lambda i, o=o: len(o.options[i])))
-                for o in decision.questions
-                if o.id != q.id
+                for o in (by_id[d] for d in q.depends_on if d in by_id)
             )
             text = self._render(decision.instructions, decision.state, q, list(range(len(q.options))), answered,
                                 decision.chat_template_kwargs, None)
             worst = max(worst, len(self.lm.encode_prompt(text)))
         # +1: the read itself; a thought also brings its open/close markers.
-        return worst + 1 + (think + 8 if think else 0)
+        need = worst + 1 + (think + 8 if think else 0)
+        if think:
+            # think() refuses, on the worker, a thought whose prompt and budget overflow the context.
+            need = max(need, len(self.lm.encode_prompt(self._thought_prompt(decision))) + think + 1)
+        return need
 
     def read(self, read: Read) -> ReadResult:
         t0 = time.perf_counter()
@@ -219,13 +245,15 @@ class NextTokenReader:
         return out
 
     # -- thinking ----------------------------------------------------------
+    def _thought_prompt(self, decision: Decision) -> str:
+        msgs = prompts.thought_messages(decision.instructions, decision.state, decision.questions)
+        return self.template.render(msgs, True, self._kwargs(decision.chat_template_kwargs, True)) + THINK_OPEN + "\n"
+
     def think(self, decision: Decision, budget: int, seed: int) -> Thought:
         """Write the template's thinking block with seeded sampling, once per
         decision, over a prompt that lists every question."""
         t0 = time.perf_counter()
-        msgs = prompts.thought_messages(decision.instructions, decision.state, decision.questions)
-        text = self.template.render(msgs, True, self._kwargs(decision.chat_template_kwargs, True)) + THINK_OPEN + "\n"
-        tokens = self.lm.encode_prompt(text)
+        tokens = self.lm.encode_prompt(self._thought_prompt(decision))
         if len(tokens) + budget + 1 > self.ctx.n_ctx:
             raise InvalidRequest("the thought does not fit the context", param="think_budget")
         self.reset()

@@ -20,6 +20,8 @@ import datetime as dt
 import hmac
 import logging
 import math
+import signal
+import threading
 import time
 from contextlib import asynccontextmanager
 from typing import Any
@@ -33,6 +35,7 @@ from ..config import Config
 from ..decisions.run import admit
 from ..errors import AuthenticationError, Cancelled, GmlxError, ServerError, Timeout
 from . import body as bodies
+from . import schema as schemas
 from .errors import EnvelopeMiddleware, error_response, id_headers, install, new_request_id
 from .models import ModelManager
 from .openai_decisions import OpenAIDecisionsRoute, SystemOneRoute
@@ -218,10 +221,16 @@ def create_app(cfg: Config, preload: bool = False) -> FastAPI:
     async def decisions(request: Request) -> Response:
         return await serve_decision(request, OpenAIDecisionsRoute())
 
-    app.add_api_route("/v1/systemone", systemone, methods=["POST"], summary="Answer a structured decision")
-    app.add_api_route("/systemone", systemone, methods=["POST"], summary="Answer a structured decision (alias)")
+    # The handlers read the raw body (limits, Content-Encoding, SPEC 5 errors):
+    # their OpenAPI bodies are documented here, not inferred from a signature.
+    systemone_doc = schemas.decision_route("SystemOneRequest", "SystemOneResponse")
+    decisions_doc = schemas.decision_route("DecisionsRequest", "DecisionsResponse")
+    app.add_api_route("/v1/systemone", systemone, methods=["POST"], summary="Answer a structured decision",
+                      openapi_extra=systemone_doc)
+    app.add_api_route("/systemone", systemone, methods=["POST"], summary="Answer a structured decision (alias)",
+                      openapi_extra=systemone_doc)
     app.add_api_route("/v1/decisions", decisions, methods=["POST"],
-                      summary="Answer a decision in the shapes of OpenAI's Decisions API")
+                      summary="Answer a decision in the shapes of OpenAI's Decisions API", openapi_extra=decisions_doc)
 
     @app.get("/v1/models", summary="Configured models and aliases")
     async def list_models(request: Request) -> Response:
@@ -251,6 +260,17 @@ def create_app(cfg: Config, preload: bool = False) -> FastAPI:
             "requests": stats.as_dict(),
         })
 
+    base_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        # FastAPI's schema plus the decision routes' body schemas (schema.py).
+        if app.openapi_schema is None:
+            doc = base_openapi()
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(
+                schemas.components(manager.settings, sorted(cfg.profiles)))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 
@@ -313,4 +333,16 @@ def run(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)
-    _Server(config).run()
+    server = _Server(config)
+    if threading.current_thread() is not threading.main_thread():
+        server.run()
+        return
+    # After its graceful shutdown uvicorn raises a captured SIGTERM again under
+    # the handler installed before it started: with Python's default one the
+    # process would then die by the signal (status -15) although it stopped
+    # cleanly. A no-op handler there makes a graceful stop exit 0.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)

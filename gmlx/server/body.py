@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import zlib
 from typing import Any
 
@@ -144,4 +145,30 @@ def parse_json_object(data: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"the request body is not valid JSON ({err})") from None
     if not isinstance(value, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(text):
+        _refuse_lone_surrogates(value)
     return value
+
+
+# JSON may escape a lone UTF-16 surrogate ("\ud800"); Python's parser keeps it
+# as a str that no UTF-8 encoder (tokenizer, template, log) accepts. Only a
+# body with such an escape is walked.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _refuse_lone_surrogates(value: Any) -> None:
+    stack = [value]
+    while stack:  # iterative: the value may nest as deep as the parser allows
+        v = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                raise InvalidRequest(
+                    "the request body holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff without its "
+                    "pair): not text"
+                )
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)

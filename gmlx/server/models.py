@@ -194,7 +194,7 @@ class ModelManager:
             from ..engine import open_reader
             from ..engine.model import load_model
 
-            lm = load_model(model_id, path, load_settings)
+            lm = load_model(model_id, path, load_settings, isolate_vocab=True)
             try:
                 reader = open_reader(lm, load_settings, canvas=self.settings.canvas)
             except GmlxError as err:  # 501 not_implemented: no read strategy
