@@ -54,7 +54,6 @@ core passed to `template_rows` when it planned the chunks.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 import time
@@ -464,23 +463,9 @@ class CanvasReader:
         self.forwards += 1
         return starts
 
-    def _rows(self, first: int, count: int) -> np.ndarray:
-        """Logits rows first..first+count-1 of the last forward, as a view."""
-        ptr = llama_cpp.llama_get_logits_ith(self.ctx.ctx, first)
-        if not ptr:
-            raise ServerError(f"llama.cpp returned no logits for batch row {first}")
-        if count > 1:
-            last = llama_cpp.llama_get_logits_ith(self.ctx.ctx, first + count - 1)
-            step = np.dtype(np.float32).itemsize * self.n_vocab
-            a = ctypes.cast(ptr, ctypes.c_void_p).value or 0
-            b = ctypes.cast(last, ctypes.c_void_p).value or 0
-            if b - a != (count - 1) * step:  # not contiguous: copy row by row
-                return np.stack([self.ctx.logits_row(first + k) for k in range(count)])
-        return np.ctypeslib.as_array(ptr, shape=(count, self.n_vocab))
-
     def _row(self, start: int, prompt_len: int, pos: int) -> np.ndarray:
         """The logits row predicting canvas position `pos` (row p - 1 with shift_logits)."""
-        return self._rows(start + prompt_len + pos - self.shift, 1)[0]
+        return self.ctx.logits_rows(start + prompt_len + pos - self.shift, 1)[0]
 
     # -- reads -------------------------------------------------------------------
     def _advance(self, job: _Job, start: int) -> None:
@@ -591,7 +576,7 @@ class CanvasReader:
         argmax = canvas
         for step in range(steps):
             start = self._forward([prefix + canvas.tolist()])[0]
-            rows = self._rows(start + len(prefix) - self.shift, width)
+            rows = self.ctx.logits_rows(start + len(prefix) - self.shift, width)
             t = self.schedule.temperature(step, steps)
             u = rng.random(width)
             renoise = rng.integers(self.n_vocab, size=width)

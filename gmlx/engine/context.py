@@ -7,6 +7,7 @@ gmlx goes through `Context.decode`, which checks both before calling in.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -120,12 +121,21 @@ class Context:
             raise ServerError(f"llama.cpp returned no logits for batch row {i}")
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
-    def all_logits(self, n: int) -> np.ndarray:
-        """Rows 0..n-1 of the last decode (diffusion forwards return every row)."""
-        ptr = llama_cpp.llama_get_logits(self.ctx)
+    def logits_rows(self, first: int, count: int) -> np.ndarray:
+        """Rows first..first+count-1 of the last decode (a diffusion forward
+        returns every row): a view while they lie contiguous, else a copy.
+        Valid until the next decode."""
+        ptr = llama_cpp.llama_get_logits_ith(self.ctx, first)
         if not ptr:
-            raise ServerError("llama.cpp returned no logits")
-        return np.ctypeslib.as_array(ptr, shape=(n, self.n_vocab)).copy()
+            raise ServerError(f"llama.cpp returned no logits for batch row {first}")
+        if count > 1:
+            last = llama_cpp.llama_get_logits_ith(self.ctx, first + count - 1)
+            step = np.dtype(np.float32).itemsize * self.n_vocab
+            a = ctypes.cast(ptr, ctypes.c_void_p).value or 0
+            b = ctypes.cast(last, ctypes.c_void_p).value or 0
+            if b - a != (count - 1) * step:  # not contiguous: copy row by row
+                return np.stack([self.logits_row(first + k) for k in range(count)])
+        return np.ctypeslib.as_array(ptr, shape=(count, self.n_vocab))
 
     def close(self) -> None:
         if getattr(self, "_batch", None) is not None:
