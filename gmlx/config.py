@@ -48,6 +48,11 @@ class LoadSettings(_Strict):
     use_mlock: bool | None = None
     rpc_servers: list[str] | None = None
     chat_template: str | None = None
+    # llama.cpp's extra CPU weight layouts (repacked, AMX); see _model_params.
+    extra_buffers: Literal["auto", "on", "off"] | None = None
+    # Each question's suffix read at the KV cells it would have alone (exact);
+    # false batches suffixes (faster, numbers depend on the company kept).
+    batch_invariant: bool | None = None
 
     @field_validator("rpc_servers", mode="before")
     @classmethod
@@ -74,6 +79,8 @@ LOAD_DEFAULTS: dict[str, Any] = {
     "use_mlock": False,
     "rpc_servers": None,
     "chat_template": None,
+    "extra_buffers": "auto",
+    "batch_invariant": True,
 }
 
 

@@ -239,7 +239,24 @@ def _model_params(settings: dict[str, Any], progress: _Progress):
         mp.tensor_split = arr
         progress._tensor_split = arr  # keep alive while loading
     mp.progress_callback = progress.callback
+    if hasattr(mp, "use_extra_bufts"):
+        mp.use_extra_bufts = _extra_buffers(settings.get("extra_buffers") or "auto")
     return mp
+
+
+def _extra_buffers(mode: str) -> bool:
+    """Whether llama.cpp may move weights into its extra CPU layouts. On CPUs
+    with AMX_INT8 llama.cpp puts Q4_K weights in its AMX buffer, whose matmul
+    segfaults (llama.cpp issue 20824; seen on this project's CI machines), so
+    "auto" keeps the plain layout there."""
+    if mode != "auto":
+        return mode == "on"
+    return "AMX_INT8 = 1" not in system_info()
+
+
+def system_info() -> str:
+    raw = llama_cpp.llama_print_system_info()
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
 
 
 def strategy_for(arch: str, is_diffusion: bool, has_template: bool) -> str | None:
