@@ -53,6 +53,8 @@ class LoadSettings(_Strict):
     # Each question's suffix read at the KV cells it would have alone (exact);
     # false batches suffixes (faster, numbers depend on the company kept).
     batch_invariant: bool | None = None
+    # Default `calibrate` for requests that do not set it (docs/quality.md).
+    calibrate: Literal["none", "content_free"] | None = None
 
     @field_validator("rpc_servers", mode="before")
     @classmethod
@@ -81,6 +83,7 @@ LOAD_DEFAULTS: dict[str, Any] = {
     "chat_template": None,
     "extra_buffers": "auto",
     "batch_invariant": True,
+    "calibrate": "none",
 }
 
 

@@ -12,7 +12,8 @@ from gmlx.decisions import stats
 from gmlx.decisions.fake import FakeReader, ticket_body
 from gmlx.decisions.request import parse_decision
 from gmlx.decisions.run import admit, decide
-from gmlx.decisions.seeds import option_order, sample_seed, thought_seed
+from gmlx.decisions.orders import option_order
+from gmlx.decisions.seeds import sample_seed, thought_seed
 from gmlx.decisions.types import DecisionSettings
 
 SETTINGS = DecisionSettings()
@@ -111,10 +112,14 @@ def test_auto_sampling_triggers_strictly_above_threshold():
     assert at["diagnostics"]["samples"]["n"] == 1 and at["diagnostics"]["samples"]["policy"] == "auto"
     below = math.nextafter(h, 0.0)  # the entropy is now just above the threshold
     above = run(ticket_body(questions=ONE, auto_threshold=below), FakeReader(forced={"urgent": probs}))
-    assert above["diagnostics"]["timing"]["reads"] == 4
-    assert above["diagnostics"]["samples"]["n"] == 4 and above["diagnostics"]["samples"]["policy"] == "auto-extended"
-    # auto_max bounds the extension; auto_max 1 never extends.
-    six = run(ticket_body(questions=ONE, auto_threshold=below, auto_max=6), FakeReader(forced={"urgent": probs}))
+    # A noul has two distinct orders (yes first, no first): 4 samples are 2 reads.
+    assert above["diagnostics"]["timing"]["reads"] == 2
+    assert above["diagnostics"]["samples"]["n"] == 2 and above["diagnostics"]["samples"]["policy"] == "auto-extended"
+    assert above["diagnostics"]["questions"]["urgent"]["reads"] == 2
+    # auto_max bounds the extension (a choice of 8 options has 8 distinct orders); auto_max 1 never extends.
+    eight = {"pick": {"type": "choice", "criteria": {f"o{i}": None for i in range(8)}}}
+    flat = {"pick": [1 / 8] * 8}
+    six = run(ticket_body(questions=eight, auto_threshold=0.1, auto_max=6), FakeReader(forced=flat))
     assert six["diagnostics"]["timing"]["reads"] == 6
     one = run(ticket_body(questions=ONE, auto_threshold=0, auto_max=1), FakeReader(forced={"urgent": probs}))
     assert one["diagnostics"]["timing"]["reads"] == 1
@@ -126,8 +131,13 @@ def test_auto_extension_looks_at_every_label_position():
     del body["questions"]["refund"]
     reader = FakeReader(forced=forced)
     response = run(body, reader)
-    assert [r.sample for r in reader.reads] == [0, 1, 2, 3]
-    assert response["diagnostics"]["samples"]["n"] == 4
+    # Sample 3 repeats every order already read (team has 3 rotations; urgent and
+    # severity 2 orders each): it is no read at all.
+    assert [r.sample for r in reader.reads] == [0, 1, 2]
+    assert [[q.id for q in r.questions] for r in reader.reads] == [["urgent", "team", "severity"]] * 2 + [["team"]]
+    assert response["diagnostics"]["samples"]["n"] == 3
+    reads = {qid: d["reads"] for qid, d in response["diagnostics"]["questions"].items()}
+    assert reads == {"urgent": 2, "team": 3, "severity": 2}
     forced["team"] = [0.98, 0.01, 0.01]
     assert run(body, FakeReader(forced=forced))["diagnostics"]["timing"]["reads"] == 1
 
@@ -176,21 +186,33 @@ def test_canvas_samples_differ_through_their_seeds():
 # -- next-token option order ------------------------------------------------------
 
 
-def test_option_order_mapped_back():
+@pytest.mark.parametrize("strategy", ["next-token", "canvas"])
+def test_position_bias_cancels_over_n_rotations(strategy):
+    """A reader that always favours the first listed option gives uniform
+    probabilities over n samples: each option is listed first exactly once."""
     body = ticket_body(questions={"pick": {"type": "choice", "criteria": {f"o{i}": None for i in range(5)}}}, samples=6)
-    logits = [4.0, 1.0, 0.0, -1.0, -2.0]  # the first listed option is always favoured
-    reader = FakeReader("next-token", position_logits={"pick": logits})
+    logits = [4.0, 1.0, 0.0, -1.0, -2.0]  # by listed position
+    reader = FakeReader(strategy, position_logits={"pick": logits})
     response = run(body, reader)
     pick = parse_decision(body, SETTINGS).question("pick")
     position_probs = stats.label_probs(logits)  # softmax by listed position
-    orders = [option_order(pick, r.sample, r.seed) for r in reader.reads]
-    assert orders[0] == [0, 1, 2, 3, 4] and any(o != orders[0] for o in orders[1:])
+    orders = [list(r.questions[0].order) or [0, 1, 2, 3, 4] for r in reader.reads]
+    # next-token: sample 5 repeats sample 0's order and is not read again; a
+    # canvas sample is distinct by its seed, so it is read.
+    assert len(orders) == (5 if strategy == "next-token" else 6)
+    assert orders[0] == [0, 1, 2, 3, 4]
+    assert sorted(o[0] for o in orders[:5]) == [0, 1, 2, 3, 4]  # every option first once
+    assert all(o == orders[0][k:] + orders[0][:k] for o in orders for k in [o[0]])  # rotations
     tops = response["diagnostics"]["samples"]["tops"]
     for order, top in zip(orders, tops):
         assert top["pick"]["label"] == pick.labels[order[0]]
         assert top["pick"]["p"] == pytest.approx(position_probs[0])
-    expected = [sum(position_probs[o.index(i)] for o in orders) / len(orders) for i in range(5)]
-    assert list(response["answers"]["pick"]["probabilities"].values()) == pytest.approx(expected)
+    got = list(response["answers"]["pick"]["probabilities"].values())
+    if strategy == "next-token":
+        assert got == pytest.approx([0.2] * 5, abs=1e-12)
+    else:
+        expected = [sum(position_probs[o.index(i)] for o in orders) / len(orders) for i in range(5)]
+        assert got == pytest.approx(expected)
 
 
 def test_permuted_prompt_lists_options_in_that_order():
@@ -198,9 +220,11 @@ def test_permuted_prompt_lists_options_in_that_order():
     reader = FakeReader("next-token")
     run(body, reader)
     pick = parse_decision(body, SETTINGS).question("pick")
+    assert len(reader.reads) == 4
     for read in reader.reads:
-        order = option_order(pick, read.sample, read.seed)
-        text = reader.prompt_text(read, pick, order)
+        order = list(read.questions[0].order) or [0, 1, 2, 3]
+        assert order == option_order(pick, read.sample, sample_seed(42, 0, 0, 0))
+        text = reader.prompt_text(read, read.questions[0], range(4))
         listed = [line.split(". ", 1)[1] for line in text.splitlines() if line[:2] in ("A.", "B.", "C.", "D.")]
         assert listed == [pick.options[i] for i in order]
 

@@ -10,7 +10,8 @@ from hypothesis import given, strategies as st
 from gmlx.errors import ValidationError
 from gmlx.decisions import stats
 from gmlx.decisions.labels import check_label_tokens, labels_for
-from gmlx.decisions.seeds import derive_seed, option_order, sample_seed, thought_seed
+from gmlx.decisions.orders import option_order
+from gmlx.decisions.seeds import derive_seed, sample_seed, thought_seed
 from gmlx.decisions.types import Question
 
 
@@ -57,16 +58,41 @@ def test_seeds_are_31_bit_and_distinct():
     assert thought_seed(42) == derive_seed(42, "think") != sample_seed(42, 0, 0, 0)
 
 
-def test_option_order():
-    x = question("team", n=5)
-    assert option_order(x, 0, 123) == [0, 1, 2, 3, 4]
-    orders = [option_order(x, k, sample_seed(42, 0, 0, k)) for k in range(1, 8)]
-    assert all(sorted(o) == [0, 1, 2, 3, 4] for o in orders)
-    assert any(o != [0, 1, 2, 3, 4] for o in orders)
-    assert option_order(x, 3, 99) == option_order(x, 3, 99)
-    # Scores keep their order; nouls' labels are the answer words themselves.
-    assert option_order(question("s", "score", 5), 3, 99) == [0, 1, 2, 3, 4]
-    assert option_order(question("u", "noul"), 3, 99) == [0, 1]
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+def test_choice_orders_are_balanced_rotations(n):
+    x = question("team", n=n)
+    for seed in (1, 123, 99999):
+        orders = [option_order(x, k, seed) for k in range(n)]
+        assert orders[0] == list(range(n))
+        rotations = [[(i + o[0]) % n for i in range(n)] for o in orders]
+        assert orders == rotations  # each a cyclic rotation of the request order
+        # k = n samples: every option at every position exactly once.
+        for position in range(n):
+            assert sorted(o[position] for o in orders) == list(range(n))
+        # The cycle then repeats, and the start is fixed by the seed.
+        assert [option_order(x, k, seed) for k in range(n, 2 * n)] == orders
+    starts = {option_order(x, 1, seed)[0] for seed in range(50)}
+    assert len(starts) == n - 1 if n > 2 else starts == {1}
+
+
+def test_noul_and_score_alternate():
+    assert [option_order(question("u", "noul"), k, 7) for k in range(4)] == [[0, 1], [1, 0], [0, 1], [1, 0]]
+    s = question("s", "score", 4)
+    assert [option_order(s, k, 7) for k in range(3)] == [[0, 1, 2, 3], [3, 2, 1, 0], [0, 1, 2, 3]]
+
+
+def test_listed_question_keeps_labels_with_their_meaning():
+    from gmlx.decisions.orders import by_option, listed
+
+    s = question("s", "score", 3)
+    rev = listed(s, [2, 1, 0])
+    assert rev.options == tuple(reversed(s.options)) and rev.labels == ("3", "2", "1")  # level keeps its label
+    c = question("team", n=3)
+    rot = listed(c, [1, 2, 0])
+    assert rot.options == (c.options[1], c.options[2], c.options[0]) and rot.labels == c.labels  # letters by position
+    u = listed(question("u", "noul"), [1, 0])
+    assert u.labels == ("no", "yes") and u.options == ("no", "yes")
+    assert by_option([0.7, 0.2, 0.1], [1, 2, 0]) == [0.1, 0.7, 0.2]
 
 
 def test_label_probs_and_mass():

@@ -36,7 +36,8 @@ from server_harness import assert_error, noul_body, start  # noqa: E402
 
 from gmlx.config import parse_config  # noqa: E402
 from gmlx.decisions.request import parse_decision  # noqa: E402
-from gmlx.decisions.seeds import option_order, sample_seed  # noqa: E402
+from gmlx.decisions.orders import option_order  # noqa: E402
+from gmlx.decisions.seeds import sample_seed  # noqa: E402
 from gmlx.decisions.types import DecisionSettings  # noqa: E402
 
 OPTIONS = ["o1", "o2", "o3", "o4", "o5"]

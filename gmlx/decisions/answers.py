@@ -44,17 +44,38 @@ def answer(question: Question, probs: Sequence[float], mode: str) -> dict:
 def diagnostics(samples: Sequence[Sample], probs: Sequence[float]) -> dict:
     """label_mass, argmax_is_label and entropy; stderr and agreement of the top
     answer when there is more than one sample."""
-    n = len(samples)
+    n = len(samples)  # distinct reads (sampling.py never records a repeat)
     out: dict = {
         "label_mass": math.fsum(s.mass for s in samples) / n,
         "argmax_is_label": all(s.argmax_is_label for s in samples),
         "entropy": stats.entropy(probs),
+        "reads": n,
     }
     if n > 1:
         top = stats.argmax(probs)
         out["stderr"] = stats.stderr([s.probs[top] for s in samples])
         out["agreement"] = sum(stats.argmax(s.probs) == top for s in samples) / n
     return out
+
+
+def calibration(question: Question, samples: Sequence[Sample], cached: bool) -> dict | None:
+    """The prior (averaged over the question's orders, by option name), the
+    uncalibrated answer distribution, and whether the prior came from the cache."""
+    priors = [s.prior for s in samples if s.prior is not None]
+    if not priors:
+        return None
+    return {
+        "mode": "content_free",
+        "prior": dict(zip(_keys(question), stats.average(priors))),
+        "uncalibrated": dict(zip(_keys(question), stats.average([s.raw for s in samples if s.raw is not None]))),
+        "cached": cached,
+    }
+
+
+def _keys(question: Question) -> list[str]:
+    if question.type == "score":
+        return [str(i) for i in range(len(question.options))]
+    return list(question.options)
 
 
 def top(question: Question, sample: Sample) -> dict:

@@ -18,7 +18,7 @@ from ..errors import InvalidRequest
 from . import prompts
 from .labels import check_label_tokens
 from .plan import asked_questions
-from .seeds import option_order
+from .orders import order_of
 from .types import Decision, Question, Read, ReadResult, SlotRead, Thought
 
 # A forced distribution: label probabilities in request option order, one list
@@ -101,7 +101,8 @@ class FakeReader:
         slots: dict[str, SlotRead] = {}
         longest = 0
         for q in read.questions:
-            order = option_order(q, read.sample, read.seed) if self.strategy == "next-token" else list(range(len(q.options)))
+            # The core lists q in its sample's order already (q.order says which).
+            order = list(range(len(q.options)))
             text = self.prompt_text(read, q, order)
             longest = max(longest, len(text.split()))
             slots[q.id] = self._slot(read, q, order, text)
@@ -128,9 +129,10 @@ class FakeReader:
 
     def _slot(self, read: Read, q: Question, order: Sequence[int], text: str) -> SlotRead:
         table = self.forced_thought if read.thought is not None and q.id in self.forced_thought else self.forced
+        listed_as = order_of(q)  # listed position -> request option
         if q.id in table:
-            probs = _pick(table[q.id], read)
-            lps = tuple(math.log(p) if p > 0 else -math.inf for p in probs)
+            probs = _pick(table[q.id], read)  # request option order
+            lps = tuple(math.log(probs[o]) if probs[o] > 0 else -math.inf for o in listed_as)
             return SlotRead(logprobs=lps, argmax_is_label=True)
         if q.id in self.position_logits:
             logits = list(self.position_logits[q.id])
@@ -139,11 +141,9 @@ class FakeReader:
             logits = [8.0 * _unit(f"{text}\x00{label}") - 4.0 for label in q.labels]
             others = [6.0 * _unit(f"{text}\x00other{i}") - 3.0 for i in range(2)]
         norm = _logsumexp(logits + others)
-        by_request = [0.0] * len(order)
-        for position, option in enumerate(order):
-            by_request[option] = logits[position] - norm
         argmax_is_label = not others or max(logits) >= max(others)
-        return SlotRead(logprobs=tuple(by_request), argmax_is_label=argmax_is_label)
+        # In listed order, as a read engine returns them.
+        return SlotRead(logprobs=tuple(v - norm for v in logits), argmax_is_label=argmax_is_label)
 
 
 def _pick(forced: Forced, read: Read) -> Sequence[float]:

@@ -34,7 +34,8 @@ from .questions import MAX_ALTERNATIVES, MIN_ALTERNATIVES
 from .request import parse_decision
 from .types import Decision, DecisionSettings
 
-TOP_FIELDS = ("model", "input", "questions", "safety_identifier", "prompt_cache_key", "prompt_cache_options")
+# `calibrate` is gmlx's extension (SPEC 4.5); the rest are OpenAI's.
+TOP_FIELDS = ("model", "input", "questions", "safety_identifier", "prompt_cache_key", "prompt_cache_options", "calibrate")
 QUESTION_FIELDS = {
     "predicate": ("type", "instructions", "name"),
     "choice": ("type", "instructions", "name", "choices"),
@@ -247,6 +248,9 @@ def parse_openai(body: Any, settings: DecisionSettings) -> OpenAIDecision:
         systemone["model"] = model
     if cache_key is not None:
         systemone["cache_salt"] = cache_key
+    if body.get("calibrate") is not None:
+        # Validated with the /v1/systemone rules when the body is parsed.
+        systemone["calibrate"] = body["calibrate"]
     return OpenAIDecision(
         systemone=systemone,
         questions=tuple(q for q, _ in questions),

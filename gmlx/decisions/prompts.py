@@ -13,10 +13,16 @@ from typing import Sequence
 from .types import Answered, Question
 
 TYPE_INSTRUCTION = {
-    "noul": "Answer with yes or no only.",
     "choice": "Answer with the letter of one option only.",
     "score": "Answer with the label of one level only.",
 }
+
+
+def type_instruction(question: Question) -> str:
+    if question.type == "noul":
+        # Names yes/no in the order the read lists them (no-first on odd samples).
+        return f"Answer with {question.labels[0]} or {question.labels[1]} only."
+    return TYPE_INSTRUCTION[question.type]
 
 
 def option_lines(question: Question, order: Sequence[int]) -> list[str]:
@@ -40,7 +46,7 @@ def question_block(question: Question, order: Sequence[int]) -> str:
     opts = option_lines(question, order)
     if opts:
         parts.append("\n".join(opts))
-    parts.append(TYPE_INSTRUCTION[question.type])
+    parts.append(type_instruction(question))
     return "\n".join(parts)
 
 

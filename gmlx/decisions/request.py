@@ -19,6 +19,7 @@ KNOWN_FIELDS = (
     "model", "profile", "state", "questions", "instructions", "seed", "samples", "auto_max",
     "auto_threshold", "steps", "think", "think_threshold", "think_budget", "ask", "chunk_rows",
     "chunk_prompt", "sequential", "chat_template_kwargs", "cache_salt", "images",
+    "calibrate",
 )  # fmt: skip
 REQUIRED_FIELDS = ("state", "questions")
 MIN_STEPS, MAX_STEPS = 1, 8
@@ -60,6 +61,7 @@ def parse_decision(body: Any, settings: DecisionSettings) -> Decision:
         sequential=want_bool(given["sequential"], "sequential", "sequential") if "sequential" in given else False,
         chat_template_kwargs=_kwargs(given.get("chat_template_kwargs")),
         cache_salt=_opt_str(given, "cache_salt"),
+        calibrate=_calibrate(given.get("calibrate")),
         given=frozenset(given),
     )
     decision.ignored = [k for k in body if k not in KNOWN_FIELDS]
@@ -83,6 +85,16 @@ def _state(body: dict) -> str:
         return state
     # Non-string states reach the model as JSON text with their characters kept.
     return json.dumps(state, ensure_ascii=False)
+
+
+def _calibrate(value: Any) -> str | None:
+    from .calibration import MODES
+
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in MODES:
+        raise fail(f'calibrate must be "none" or "content_free", got {_show(value)}', "calibrate")
+    return value
 
 
 def _opt_str(given: dict, name: str) -> str | None:

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from . import answers
 from .plan import Plan, check_rows, make_plan
-from .runner import Pass, confidences, run_pass, tops
+from .runner import Pass, calibrate_mode, confidences, run_pass, tops
 from .seeds import thought_seed
 from .types import Checkpoint, Decision, DecisionSettings, Reader, Thought
 
@@ -105,16 +105,20 @@ def decide(
     passes = [final] if first is None or first is final else [first, final]
     diagnostics = _diagnostics(decision, reader, plan, final, thought, think_auto, passes)
     diagnostics["timing"]["total_ms"] = (time.perf_counter() - start) * 1000.0
+    usage = {
+        "input_tokens": max(p.prompt_tokens for p in passes),
+        "output_tokens": sum(p.output_tokens for p in passes) + (thought.tokens if thought else 0),
+    }
+    if diagnostics["calibrate"] != "none":
+        # Content-free reads this decision paid for (0 when every prior was cached).
+        usage["prior_reads"] = sum(p.prior_reads for p in passes)
     return {
         "id": f"decision-{uuid.uuid4().hex}",
         "object": "structured_decision",
         "created": int(time.time()),
         "model": model_id,
         "answers": _answers(plan, final, settings),
-        "usage": {
-            "input_tokens": max(p.prompt_tokens for p in passes),
-            "output_tokens": sum(p.output_tokens for p in passes) + (thought.tokens if thought else 0),
-        },
+        "usage": usage,
         "diagnostics": diagnostics,
     }
 
@@ -138,7 +142,7 @@ def _answers(plan: Plan, run: Pass, settings: DecisionSettings) -> dict:
 def _diagnostics(decision, reader, plan, run: Pass, thought, think_auto, passes) -> dict:
     # One chunk in all: plain values; stages, chunks or skips: one entry per chunk.
     per_chunk = len(plan.stages) > 1 or len(run.groups) > 1 or bool(run.skipped)
-    n = [g.n for g in run.groups]
+    n = [g.n for g in run.groups]  # distinct reads per chunk
     sample_tops = [tops(g) for g in run.groups]
     policy = [g.policy for g in run.groups]
     samples = {"n": n, "tops": sample_tops, "policy": policy}
@@ -155,8 +159,12 @@ def _diagnostics(decision, reader, plan, run: Pass, thought, think_auto, passes)
         "steps": decision.steps,
         "thought": _thought(thought),
         "samples": samples,
-        "timing": {"total_ms": 0.0, "reads": sum(p.reads for p in passes), "queue_ms": 0},
+        "timing": {"total_ms": 0.0, "reads": sum(p.reads for p in passes), "queue_ms": 0,
+                   "prior_reads": sum(p.prior_reads for p in passes)},
         "prompt_tokens": run.prompt_tokens,
+        # Tokens llama.cpp evaluated (shared prefixes once, priors included).
+        "evaluated_tokens": sum(p.evaluated_tokens for p in passes),
+        "calibrate": calibrate_mode(decision, reader),
         "strategy": reader.strategy,
         "ignored": list(decision.ignored),
     }

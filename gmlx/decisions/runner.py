@@ -39,6 +39,16 @@ class Pass:
     def output_tokens(self) -> int:
         return sum(r.output_tokens for g in self.groups for r in g.results)
 
+    @property
+    def evaluated_tokens(self) -> int:
+        return sum((r.evaluated_tokens or 0) for g in self.groups for r in g.results) + sum(
+            g.prior_tokens for g in self.groups
+        )
+
+    @property
+    def prior_reads(self) -> int:
+        return sum(g.prior_reads for g in self.groups)
+
 
 def run_pass(
     decision: Decision,
@@ -50,6 +60,7 @@ def run_pass(
 ) -> Pass:
     start = time.perf_counter()
     out = Pass()
+    calibrate = calibrate_mode(decision, reader)
     chosen: dict[str, int] = {}  # answered id -> top option index
     for s, stage in enumerate(plan.stages):
         to_read = []
@@ -90,6 +101,7 @@ def run_pass(
                 decision.auto_max,
                 decision.auto_threshold,
                 checkpoint,
+                calibrate,
             )
             out.groups.append(group)
             for q in chunk:
@@ -97,6 +109,9 @@ def run_pass(
                 probs = answers.averaged(samples)
                 out.probs[q.id] = probs
                 out.diagnostics[q.id] = answers.diagnostics(samples, probs)
+                cal = answers.calibration(q, samples, group.prior_cached.get(q.id, False))
+                if cal is not None:
+                    out.diagnostics[q.id]["calibration"] = cal
                 chosen[q.id] = stats.argmax(probs)
     out.ms = (time.perf_counter() - start) * 1000.0
     return out
@@ -107,12 +122,16 @@ def _answered(plan: Plan, chosen: dict[str, int]) -> tuple[Answered, ...]:
     return tuple(Answered(q, chosen[q.id]) for q in plan.asked if q.id in chosen)
 
 
+def calibrate_mode(decision: Decision, reader: Reader) -> str:
+    """The request's `calibrate`, else the model's or profile's default."""
+    return decision.calibrate or getattr(reader, "calibrate", None) or "none"
+
+
 def tops(group: ChunkReads) -> list[dict]:
-    """Per sample: question id -> its top label, probability and entropy."""
-    return [
-        {q.id: answers.top(q, group.samples[q.id][k]) for q in group.questions}
-        for k in range(group.n)
-    ]
+    """Per distinct read: question id -> its top label, probability and entropy
+    (the questions that read answered)."""
+    by_id = {q.id: q for q in group.questions}
+    return [{qid: answers.top(by_id[qid], s) for qid, s in read.items()} for read in group.per_read]
 
 
 def confidences(plan: Plan, run: Pass, mode: str) -> dict[str, float]:

@@ -30,6 +30,9 @@ class Question:
     # id -> answer names (option names of that question) for which this one is asked.
     ask_if: dict[str, tuple[str, ...]] = field(default_factory=dict)
     alone: bool = False
+    # As a read lists it (decisions/orders.py): listed option k is request
+    # option order[k]. Empty: the request order.
+    order: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,8 @@ class Decision:
     sequential: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     cache_salt: str | None = None
+    # "none" | "content_free"; None: the model's or profile's default.
+    calibrate: str | None = None
     # Fields present in the body that the server parses but will not use, or does
     # not know: logged once as "ignoring unsupported parameter(s): ...".
     ignored: list[str] = field(default_factory=list)
@@ -137,6 +142,9 @@ class ReadResult:
     prompt_tokens: int  # tokens of the longest prompt this read ran on
     output_tokens: int  # canvas: template tokens; next-token: one per question read
     ms: float = 0.0
+    # Tokens llama.cpp actually evaluated for this read (prefix reuse excluded);
+    # None: the reader does not say.
+    evaluated_tokens: int | None = None
 
 
 class Reader(Protocol):

@@ -19,13 +19,18 @@ import numpy as np
 
 from ..decisions import prompts
 from ..decisions.labels import check_label_tokens
-from ..decisions.seeds import option_order
 from ..decisions.types import Decision, Question, Read, ReadResult, SlotRead, Thought
 from ..errors import InvalidRequest, ValidationError
 from .context import Context, Entry, log_softmax
 from .model import LoadedModel
 
 THINK_OPEN = "<think>"
+# The fewest tokens one decode of a batch-invariant read holds: below 8 rows
+# llama.cpp's CPU matmuls take another path and round differently (measured on
+# this project's machines: a tail of 1-7 tokens moves label logprobs by up to
+# 1.1 nats on the Q4 Gemma, 8 and more match a single-pass evaluation bit for bit).
+# 16 leaves a margin for CPUs whose kernels switch later.
+MIN_PIECE = 16
 THINK_CLOSE = "</think>"
 
 
@@ -44,6 +49,11 @@ class NextTokenReader:
         n_batch = int(settings.get("n_batch") or 512)
         n_ubatch = int(settings.get("n_ubatch") or n_batch)
         self.parallel = max(1, parallel)
+        self.batch_invariant = settings.get("batch_invariant", True) is not False
+        # The model's default for requests that do not set `calibrate`.
+        self.calibrate = settings.get("calibrate") or "none"
+        # Content-free priors depend on the file and the settings that change numbers.
+        self.model_key = (str(lm.path), tuple(sorted((k, repr(v)) for k, v in settings.items())))
         self.ctx = Context(
             lm,
             n_ctx=int(settings.get("n_ctx") or 8192),
@@ -65,6 +75,7 @@ class NextTokenReader:
         # result is kept: a full logits row is 1 MB on a 262k vocabulary.
         self._slots: dict[tuple[int, ...], SlotRead] = {}
         self._label_ids: dict[str, int | None] = {}
+        self._evaluated = 0  # tokens decoded so far (usage counts what was evaluated)
 
     # -- protocol ----------------------------------------------------------
     def reset(self) -> None:
@@ -145,6 +156,7 @@ class NextTokenReader:
         # The prompt's tokens fix the question and its option order, so they key the result.
         keys = [tuple(p.tokens) for p in built]
         todo = {k: p for k, p in zip(keys, built) if k not in self._slots}
+        evaluated = self._evaluated
         if todo:
             rows = self._evaluate([p.tokens for p in todo.values()])
             for (key, p), row in zip(todo.items(), rows):
@@ -152,19 +164,17 @@ class NextTokenReader:
         return ReadResult(
             slots={p.question.id: self._slots[k] for k, p in zip(keys, built)},
             prompt_tokens=max(len(p.tokens) for p in built),
-            output_tokens=len(built),
+            output_tokens=len(todo),
             ms=(time.perf_counter() - t0) * 1000,
+            evaluated_tokens=self._evaluated - evaluated,
         )
 
     def _slot(self, p: _Prompt, row: np.ndarray) -> SlotRead:
-        """Label log-probabilities over the full vocabulary, mapped back from the
-        listed order to the question's option order."""
+        """Label log-probabilities over the full vocabulary, in the order the
+        question lists its options."""
         lp = log_softmax(row)
-        listed_ids = [self.label_token(lab) for lab in p.question.labels[: len(p.order)]]
-        by_option = [0.0] * len(p.order)
-        for k, opt in enumerate(p.order):
-            by_option[opt] = float(lp[listed_ids[k]])
-        return SlotRead(tuple(by_option), int(np.argmax(row)) in set(listed_ids))
+        ids = [self.label_token(lab) for lab in p.question.labels]
+        return SlotRead(tuple(float(lp[i]) for i in ids), int(np.argmax(row)) in set(ids))
 
     # -- prompts -----------------------------------------------------------
     def _kwargs(self, user: dict[str, Any] | None, thinking: bool) -> dict[str, Any]:
@@ -181,7 +191,9 @@ class NextTokenReader:
         return text + f"{THINK_OPEN}\n{thought.text.strip()}\n{THINK_CLOSE}\n\n"
 
     def _prompt(self, read: Read, q: Question) -> _Prompt:
-        order = option_order(q, read.sample, read.seed)
+        # The decision core hands each question already in its sample's order
+        # (decisions/orders.py): list the options as given.
+        order = list(range(len(q.options)))
         deps = set(q.depends_on)
         # A question's prompt states the earlier answers it depends on.
         answered = tuple(a for a in read.answered if a.question.id in deps)
@@ -191,6 +203,45 @@ class NextTokenReader:
     # -- evaluation --------------------------------------------------------
     def _evaluate(self, prompts_tokens: list[list[int]]) -> list[np.ndarray]:
         """Logits of the last token of every prompt, sharing their common prefix."""
+        if self.batch_invariant:
+            return self._evaluate_invariant(prompts_tokens)
+        return self._evaluate_batched(prompts_tokens)
+
+    def _evaluate_invariant(self, prompts_tokens: list[list[int]]) -> list[np.ndarray]:
+        """Each prompt's numbers exactly as if it were evaluated alone.
+
+        Two things change a token's numbers on llama.cpp's CPU kernels (measured,
+        docs/reads.md): the KV cells its sequence occupies (the attention sums
+        run over cell indices, so a shifted cell rounds differently) and a
+        decode of fewer than 8 tokens (another matmul path). So the shared
+        prefix stays on sequence 0 in cells 0..P-1, each prompt's tail is
+        evaluated on its own, right after it (cells P..), then removed, and
+        no decode ever holds fewer than MIN_PIECE tokens. Then every prompt
+        sees the same cells and the same kernels as its naive evaluation.
+        """
+        shortest = min(len(t) for t in prompts_tokens)
+        lcp = _common_prefix(prompts_tokens, shortest)
+        prefix_len = min(lcp, shortest - MIN_PIECE)
+        if prefix_len < MIN_PIECE:
+            prefix_len = 0
+        self._hold_prefix(prompts_tokens[0][:prefix_len])
+        rows: list[np.ndarray] = []
+        for tokens in prompts_tokens:
+            tail = tokens[prefix_len:]
+            # Without a prefix the tail is the whole prompt, on the empty sequence 0.
+            seq = 1 if prefix_len else 0
+            if seq:
+                self.ctx.seq_cp(0, 1, -1, -1)
+            entries = [Entry(tok, prefix_len + j, seq, j == len(tail) - 1) for j, tok in enumerate(tail)]
+            out = self._decode_run(entries)
+            rows.append(out[len(tail) - 1])
+            self.ctx.seq_rm(seq, prefix_len if seq == 0 else -1, -1)
+        return rows
+
+    def _evaluate_batched(self, prompts_tokens: list[list[int]]) -> list[np.ndarray]:
+        """`batch_invariant: false`: suffixes batched on sequences 1..parallel.
+        Faster on long question sets; a suffix lands in other KV cells than it
+        would alone, so its numbers depend slightly on the other questions."""
         shortest = min(len(t) for t in prompts_tokens)
         prefix_len = _common_prefix(prompts_tokens, shortest - 1)
         prefix = prompts_tokens[0][:prefix_len]
@@ -212,8 +263,12 @@ class NextTokenReader:
         return rows  # type: ignore[return-value]
 
     def _hold_prefix(self, prefix: list[int]) -> None:
-        """Make sequence 0 hold exactly `prefix`, reusing what it already has."""
+        """Make sequence 0 hold exactly `prefix`, reusing what it already has.
+        Batch-invariant reads never extend it by fewer than MIN_PIECE tokens:
+        some cached tokens are evaluated again instead."""
         keep = _common_prefix([self._cached, prefix], min(len(self._cached), len(prefix)))
+        if self.batch_invariant and 0 < len(prefix) - keep < MIN_PIECE:
+            keep = max(0, len(prefix) - MIN_PIECE)
         if keep < len(self._cached):
             self.ctx.seq_rm(0, keep, -1)
         self._decode_run([Entry(tok, keep + j, 0) for j, tok in enumerate(prefix[keep:])])
@@ -236,11 +291,12 @@ class NextTokenReader:
             self.ctx.seq_rm(slot, -1, -1)
 
     def _decode_run(self, entries: list[Entry]) -> dict[int, np.ndarray]:
-        """Decode any number of entries in slices of at most n_batch."""
+        """Decode any number of entries in slices of at most n_batch; no slice
+        but a lone short run is under MIN_PIECE tokens (see _evaluate_invariant)."""
         out: dict[int, np.ndarray] = {}
-        step = self.ctx.max_tokens
-        for start in range(0, len(entries), step):
-            for i, row in self.ctx.decode(entries[start : start + step]).items():
+        self._evaluated += len(entries)
+        for start, stop in _slices(len(entries), self.ctx.max_tokens):
+            for i, row in self.ctx.decode(entries[start:stop]).items():
                 out[start + i] = row
         return out
 
@@ -294,6 +350,15 @@ def _sample(row: np.ndarray, rng: np.random.Generator, temperature: float = 0.6,
     keep = int(np.searchsorted(np.cumsum(p), top_p) + 1)
     p = p[:keep] / p[:keep].sum()
     return int(idx[rng.choice(keep, p=p)])
+
+
+def _slices(n: int, step: int) -> list[tuple[int, int]]:
+    """[start, stop) slices of n items, each at most `step`; when the last would
+    be shorter than MIN_PIECE it borrows from the one before it."""
+    cuts = list(range(0, n, step)) + [n]
+    if len(cuts) > 2 and cuts[-1] - cuts[-2] < MIN_PIECE and step >= 2 * MIN_PIECE:
+        cuts[-2] = n - MIN_PIECE
+    return list(zip(cuts[:-1], cuts[1:]))
 
 
 def _common_prefix(seqs: list[list[int]], limit: int) -> int:
