@@ -191,3 +191,57 @@ def models(
             typer.echo(f"    note: {r['note']}")
 
 
+
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@app.command("rpc-worker")
+def rpc_worker(
+    host: str = typer.Option("127.0.0.1", help="bind address; the RPC protocol has no authentication: keep it on loopback or a private network"),
+    port: int = typer.Option(50052, help="port"),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="CPU threads (default: all cores)"),
+    device: Optional[str] = typer.Option(None, "--device", "-d", help="comma-separated device names (default: the GPUs, else the CPU)"),
+    cache: Optional[str] = typer.Option(None, "--cache", help="folder where the worker caches tensors it was sent"),
+) -> None:
+    """Serve this machine's llama.cpp devices to `rpc_servers` over ggml RPC (no authentication)."""
+    import os
+    import signal
+    import threading
+
+    from .engine import rpc
+    from .engine.model import init_backend
+
+    if not 0 < port < 65536:
+        _fail(f"gmlx: --port {port} is not a port", 2)
+    try:
+        init_backend()
+        devices = rpc.worker_devices([d.strip() for d in device.split(",") if d.strip()] if device else None)
+    except rpc.RPCUnavailable as err:
+        _fail(f"gmlx: {err}", 2)
+    except ValueError as err:
+        _fail(f"gmlx: {err}", 2)
+    if host not in _LOOPBACK:
+        typer.echo(f"gmlx: WARNING: binding RPC to {host}: the RPC protocol has no authentication; anyone who can "
+                   "reach this port can run work on this machine and read what it holds", err=True)
+    n_threads = threads or os.cpu_count() or 1
+    typer.echo(f"gmlx rpc-worker: serving {rpc.describe(devices)} on {host}:{port} with {n_threads} threads", err=True)
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            rpc.serve(host, port, n_threads, cache, [d.strip() for d in device.split(",") if d.strip()] if device else None)
+        finally:
+            done.set()
+
+    # The server call blocks in C and never returns while it serves: run it on a
+    # thread, and let the main thread take SIGINT/SIGTERM and end the process.
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    threading.Thread(target=run, name="ggml-rpc", daemon=True).start()
+    try:
+        while not done.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        os._exit(0)
+    typer.echo(f"gmlx rpc-worker: the RPC server on {host}:{port} stopped (is the port in use?)", err=True)
+    raise typer.Exit(1)

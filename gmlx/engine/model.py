@@ -285,11 +285,14 @@ def load_model(model_id: str, path: Path, settings: dict[str, Any], isolate_voca
         problem = probe_vocab(path)
         if problem is not None:
             raise ModelLoadError(f"model {model_id!r}: {path} is corrupted: {problem}")
-    if settings.get("rpc_servers"):
-        _add_rpc_servers(settings["rpc_servers"])
+    rpc_devices = _rpc_devices(model_id, settings["rpc_servers"]) if settings.get("rpc_servers") else None
     progress = _Progress(model_id)
     t0 = time.perf_counter()
     mp = _model_params(settings, progress)
+    if rpc_devices is not None:
+        # NULL-terminated ggml_backend_dev_t array: the RPC workers' devices, then local GPUs.
+        mp.devices = ctypes.cast(rpc_devices, ctypes.c_void_p)
+        progress._devices = rpc_devices  # keep alive while loading
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
     if not model:
         if not llama_supports_arch(info.architecture):
@@ -334,7 +337,7 @@ def load_model(model_id: str, path: Path, settings: dict[str, Any], isolate_voca
         shift_logits=False,
         add_bos=bool(llama_cpp.llama_vocab_get_add_bos(vocab)),
         gpu_layers=0,
-        backend=backend_name(),
+        backend=backend_name() if rpc_devices is None else "rpc:" + ",".join(settings["rpc_servers"]),
         load_ms=load_ms,
     )
     bos_text = m.piece(special.bos) if special.bos is not None else ""
@@ -435,18 +438,17 @@ def probe_vocab(path: Path, timeout: float = 300.0) -> str | None:
     return verdict
 
 
-_rpc_added: set[str] = set()
+def _rpc_devices(model_id: str, servers: list[str]):
+    """The device array for a model with `rpc_servers` (engine/rpc.py), or a
+    ModelLoadError that says what to fix: a build without the RPC backend, a
+    malformed endpoint, a worker that does not answer."""
+    from . import rpc
 
-
-def _add_rpc_servers(servers: list[str]) -> None:
-    """Register llama.cpp RPC backends (one model split over several machines)."""
-    fn = getattr(llama_cpp, "ggml_backend_rpc_add_device", None) or getattr(llama_cpp, "ggml_backend_rpc_add_server", None)
-    if fn is None:
-        raise ModelLoadError(
-            "rpc_servers is set but this llama-cpp-python was built without the RPC backend; "
-            'reinstall with CMAKE_ARGS="-DGGML_RPC=on"'
-        )
-    for s in servers:
-        if s not in _rpc_added:
-            fn(s.encode())
-            _rpc_added.add(s)
+    try:
+        for s in servers:
+            rpc.check_endpoint(s)
+        return rpc.device_array(rpc.model_devices(list(servers)))
+    except rpc.RPCUnavailable as err:
+        raise ModelLoadError(f"model {model_id!r}: configuration error: rpc_servers is set but {err}") from None
+    except (ValueError, ConnectionError) as err:
+        raise ModelLoadError(f"model {model_id!r}: rpc_servers: {err}") from None
