@@ -154,10 +154,13 @@ def test_timeout_counts_from_leaving_the_queue():
     # The second waited longer than the timeout in the queue, and that does not count.
     body = second.future.result(5)
     assert body["diagnostics"]["timing"]["queue_ms"] >= 300
-    # A decision of many reads is stopped at a read past the deadline.
+    # A decision of many reads (8 distinct orders of an 8-option choice) is
+    # stopped at a read past the deadline.
+    many = parse_decision({"state": "s", "samples": 8, "questions": {
+        "pick": {"type": "choice", "criteria": {f"o{i}": None for i in range(8)}}}}, SETTINGS)
     with pytest.raises(Timeout):
-        w.submit(decision(n=2, samples=8)).future.result(5)
-    assert len(reader.reads) < 2 + 16
+        w.submit(many).future.result(5)
+    assert len(reader.reads) < 2 + 8
     w.stop()
 
 

@@ -7,6 +7,14 @@ from typing import Any
 from ..errors import NotImplementedStrategy
 
 
+def _with_defaults(reader, lm, settings: dict[str, Any]):
+    """Per-model decision defaults every reader carries (decisions/runner.py)."""
+    reader.calibrate = settings.get("calibrate") or "none"
+    # Calibration priors are shared only by readers of the same file and settings.
+    reader.model_key = (str(getattr(lm, "path", "")), tuple(sorted((k, repr(v)) for k, v in settings.items())))
+    return reader
+
+
 def open_reader(lm, settings: dict[str, Any], canvas: int = 64):
     """The Reader for a loaded model, by its strategy (SPEC 3). It owns a
     llama.cpp context: create it on the thread that will use it. `canvas` is
@@ -14,11 +22,11 @@ def open_reader(lm, settings: dict[str, Any], canvas: int = 64):
     if lm.strategy == "next-token":
         from .nexttoken import NextTokenReader
 
-        return NextTokenReader(lm, settings)
+        return _with_defaults(NextTokenReader(lm, settings), lm, settings)
     if lm.strategy == "canvas":
         from .canvas import CanvasReader
 
-        return CanvasReader(lm, settings, canvas=canvas)
+        return _with_defaults(CanvasReader(lm, settings, canvas=canvas), lm, settings)
     raise NotImplementedStrategy(
         f"model {lm.model_id!r} ({lm.architecture}) has no read strategy: it is neither a diffusion model "
         "nor a chat model with a chat template",
