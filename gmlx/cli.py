@@ -48,7 +48,7 @@ def serve(
 
 @app.command()
 def systemone(
-    request: str = typer.Argument(..., help="request file (JSON)"),
+    request: Optional[str] = typer.Argument(None, help="request file (JSON); not with --batch"),
     url: Optional[str] = typer.Option(None, help="server base URL, e.g. http://127.0.0.1:8080"),
     host: Optional[str] = typer.Option(None, help="server host (default: the config's, or 127.0.0.1)"),
     port: Optional[int] = typer.Option(None, help="server port (default: the config's, or 8080)"),
@@ -57,8 +57,14 @@ def systemone(
     as_json: bool = typer.Option(False, "--json", help="print the whole response body"),
     model: Optional[str] = typer.Option(None, "--model", help="answer offline with this model id or GGUF file"),
     config: Optional[str] = typer.Option(None, "--config", "-c", help="decisions.yaml (models, server address)"),
+    batch: Optional[str] = typer.Option(None, "--batch", help="JSONL file: one request body per line (bulk mode)"),
+    out: Optional[str] = typer.Option(None, "--out", help="bulk mode: JSONL answers, appended to (resumable)"),
+    concurrency: int = typer.Option(4, "--concurrency", min=1, max=256, help="bulk mode through a server: requests in flight"),
+    retries: int = typer.Option(5, "--retries", min=0, max=100, help="bulk mode: retries of a 503 or a lost connection per line"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="bulk mode: progress on stderr"),
+    summary_json: Optional[str] = typer.Option(None, "--summary-json", help="bulk mode: write the run's summary here (JSON)"),
 ) -> None:
-    """Answer a request file: through a running server, or offline with --model."""
+    """Answer a request file (or with --batch a JSONL of them): through a running server, or offline with --model."""
     import json
 
     from .errors import GmlxError
@@ -67,6 +73,16 @@ def systemone(
     if model and (url or host or port is not None):
         typer.echo("gmlx: --model answers offline; it cannot be combined with --url, --host or --port", err=True)
         raise typer.Exit(2)
+    if batch is not None or out is not None:
+        if request is not None or batch is None or out is None:
+            _fail("gmlx: bulk mode takes --batch REQUESTS.jsonl and --out ANSWERS.jsonl, and no request file", 2)
+        if as_json:
+            _fail("gmlx: --json does not apply to --batch (the answers file holds whole responses)", 2)
+        url = None if model else _server_url(url, host, port, config)
+        _bulk(batch, out, model, config, url, api_key, seed, concurrency, retries, progress, summary_json)
+        return
+    if request is None:
+        _fail("gmlx: give a request file, or --batch REQUESTS.jsonl --out ANSWERS.jsonl", 2)
     try:
         body = read_request(request)
     except RequestFileError as err:
@@ -84,14 +100,7 @@ def systemone(
         except Exception as err:  # a load failure: one line, not a traceback
             _fail(f"gmlx: {err}", 1)
     else:
-        if url is None:
-            cfg_host, cfg_port = "127.0.0.1", 8080
-            if config:
-                cfg = _config(config)
-                cfg_host, cfg_port = cfg.server.host, cfg.server.port
-            if cfg_host in ("0.0.0.0", "::", ""):
-                cfg_host = "127.0.0.1"
-            url = f"http://{host or cfg_host}:{port if port is not None else cfg_port}"
+        url = _server_url(url, host, port, config)
         try:
             response = post(url, body, api_key)
         except ConnectionError:
@@ -104,6 +113,59 @@ def systemone(
     else:
         for line in format_answers(body, response):
             typer.echo(line)
+
+
+def _server_url(url: Optional[str], host: Optional[str], port: Optional[int], config: Optional[str]) -> str:
+    if url is not None:
+        return url
+    cfg_host, cfg_port = "127.0.0.1", 8080
+    if config:
+        cfg = _config(config)
+        cfg_host, cfg_port = cfg.server.host, cfg.server.port
+    if cfg_host in ("0.0.0.0", "::", ""):
+        cfg_host = "127.0.0.1"
+    return f"http://{host or cfg_host}:{port if port is not None else cfg_port}"
+
+
+def _bulk(batch, out, model, config, url, api_key, seed, concurrency, retries, progress, summary_json) -> None:
+    """`gmlx systemone --batch`: gmlx/bulk.py does the work; exit 1 when any line failed."""
+    import json
+    import sys
+
+    from . import bulk
+    from .errors import GmlxError
+
+    if not Path(batch).is_file():
+        _fail(f"gmlx: {batch}: no such file", 1)
+    if model:
+        logging.basicConfig(level=logging.WARNING)
+        try:
+            engine = bulk.OfflineEngine(model, config)
+        except ConfigError as err:
+            _fail(f"gmlx: {err}", 2)
+        except GmlxError as err:
+            _fail(f"gmlx: {err.status} {err.type}: {err.message}", 1)
+        except Exception as err:  # a load failure: one line, not a traceback
+            _fail(f"gmlx: {err}", 1)
+        workers = 1  # one reader owns one llama.cpp context
+    else:
+        engine = bulk.ServerEngine(url, api_key, retries=retries, concurrency=concurrency)
+        workers = concurrency
+    try:
+        summary = bulk.run_batch(batch, out, engine, concurrency=workers, seed=seed, progress=progress,
+                                 load_seconds=engine.load_seconds)
+    except OSError as err:
+        _fail(f"gmlx: {err}", 1)
+    finally:
+        engine.close()
+    typer.echo(summary.text(), err=True)
+    if summary_json:
+        Path(summary_json).write_text(json.dumps(summary.as_dict(), indent=2) + "\n")
+    sys.stderr.flush()
+    if summary.interrupted:
+        raise typer.Exit(130)
+    if summary.failed:
+        raise typer.Exit(1)
 
 
 def _human_size(n: int) -> str:

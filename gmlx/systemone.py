@@ -88,9 +88,20 @@ class HTTPFailure(Exception):
 
 def run_offline(body: dict[str, Any], model: str, config_path: str | None) -> dict[str, Any]:
     """Load the model in this process and run the same decision code as the server."""
-    from .config import Config, load_config, parse_config
     from .decisions.request import parse_decision
     from .decisions.run import admit, decide
+
+    model_id, reader, ds = open_offline(model, config_path)
+    decision = parse_decision(body, ds)
+    admit(decision, reader, ds)
+    return decide(decision, reader, ds, model_id)
+
+
+def open_offline(model: str, config_path: str | None):
+    """Load `model` (a configured id or alias, or a GGUF path) and open its
+    reader: (model_id, reader, decision settings), as the server would serve it.
+    `gmlx systemone --batch` keeps them for every line."""
+    from .config import Config, load_config, parse_config
     from .engine import open_reader
     from .engine.model import load_model
 
@@ -114,6 +125,4 @@ def run_offline(body: dict[str, Any], model: str, config_path: str | None) -> di
     ds = cfg.server.systemone.decision_settings()
     lm = load_model(model_id, path, settings)
     reader = open_reader(lm, settings, canvas=ds.canvas)
-    decision = parse_decision(body, ds)
-    admit(decision, reader, ds)
-    return decide(decision, reader, ds, model_id)
+    return model_id, reader, ds
