@@ -134,12 +134,19 @@ def test_open_reader_gives_a_canvas_reader(tiny_llada):
     lm.close()
 
 
-def test_diffusion_gemma_needs_a_newer_llama_cpp(tmp_path):
-    try:
-        tiny_gguf.build_diffusion_gemma(tmp_path / "dg.gguf")
-    except tiny_gguf.UnsupportedArchError as err:
-        pytest.skip(f"no DiffusionGemma test model: {err}")
-    pytest.fail("a diffusion-gemma GGUF was built: add its canvas tests (fixed canvas_length padding)")
+def test_diffusion_gemma_is_not_loadable_with_the_bundled_llama_cpp(tmp_path):
+    # tests/test_engine_dg.py runs DiffusionGemma through ../shared/llama-dg/lib; the
+    # llama.cpp of this process (the bundled one) lacks the architecture, and the load
+    # error says what to install.
+    from gmlx.engine.gguf_info import loaded_libllama
+    from gmlx.errors import ModelLoadError
+
+    path = tiny_gguf.build_diffusion_gemma(tmp_path / "dg.gguf")
+    if tiny_gguf.llama_supports_arch("diffusion-gemma"):
+        pytest.skip(f"this process's llama.cpp ({loaded_libllama()}) has diffusion-gemma")
+    with pytest.raises(ModelLoadError) as err:
+        load_model("dg", path, _settings())
+    assert "diffusion-gemma" in str(err.value) and "PR #24423" in str(err.value)
 
 
 # -- templates and slots ---------------------------------------------------------------

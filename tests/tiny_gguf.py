@@ -12,7 +12,8 @@ API
     build_dream(path, vocab="tiny", seed=0, **overrides) -> Path
     build_qwen3(path, vocab="tiny", seed=0, **overrides) -> Path
     build_gemma3(path, vocab="gemma", seed=0, **overrides) -> Path   (extra)
-    build_diffusion_gemma(path, ...)  -> raises UnsupportedArchError (see below)
+    build_diffusion_gemma(path, vocab="tiny", seed=0, canvas_length=64, eb_keys=True) -> Path
+    dg_lib_dir() -> Path | None     (LLAMA_CPP_LIB_PATH for ../shared/llama-dg/lib), dg_env()
     llama_supports_arch(name) -> bool
     tiny_vocab() -> Vocab          gemma_vocab(gguf_path=None) -> Vocab
     embedded_gemma_path() -> str   (the embedded Gemma 3 270M GGUF, assembled once)
@@ -61,9 +62,12 @@ qwen3 (autoregressive): tokenizer.chat_template = QWEN3_CHAT_TEMPLATE,
 gemma3 (autoregressive, extra; default vocab "gemma"): {a}.attention.sliding_window
   (512); n_head_kv default 1; rope base 1e6. Tensors: as qwen3 plus
   blk.i.post_attention_norm (E,) and blk.i.post_ffw_norm (E,). No chat template.
-diffusion-gemma: not known to the llama.cpp bundled with llama-cpp-python 0.3.36.
-  build_gguf raises UnsupportedArchError: when llama_supports_arch says no, and also
-  when it says yes (its tensor layout is not implemented here: extend _ARCHS).
+diffusion-gemma (llama.cpp PR #24423; not in the llama.cpp bundled with 0.3.36): its own
+  builder, build_diffusion_gemma (Gemma 4 blocks: q/k norms, post norms, per-layer output
+  scales, a dense FFN beside 4 routed experts, sliding-window pattern, self-conditioning
+  tensors, `diffusion.canvas_length`, optional `diffusion.eb_*`). It loads only through
+  a library that has the architecture: dg_lib_dir() (../shared/llama-dg/lib), put in
+  LLAMA_CPP_LIB_PATH of a child process (the binding reads it once, at import).
 
 Vocabularies
 ------------
@@ -105,7 +109,11 @@ __all__ = [
     "TINY_IDS",
     "UnsupportedArchError",
     "Vocab",
+    "DG_EB_KEYS",
+    "DG_TOKENS",
     "build_diffusion_gemma",
+    "dg_env",
+    "dg_lib_dir",
     "build_dream",
     "build_gemma3",
     "build_gguf",
@@ -576,12 +584,7 @@ def build_gguf(
         raise TypeError(f"unknown overrides: {sorted(unknown)}")
     if arch not in _ARCHS:
         if arch == "diffusion-gemma":
-            if not llama_supports_arch(arch):
-                raise UnsupportedArchError(
-                    "the llama.cpp bundled with this llama-cpp-python does not know 'diffusion-gemma'"
-                )
-            raise UnsupportedArchError("'diffusion-gemma' is known to llama.cpp but its tensor layout is not "
-                                       "implemented in tests/tiny_gguf.py")
+            raise UnsupportedArchError("diffusion-gemma has its own builder: build_diffusion_gemma")
         raise UnsupportedArchError(f"no tiny builder for architecture {arch!r} (have {sorted(_ARCHS)})")
     spec = _ARCHS[arch]
     o = overrides
@@ -728,7 +731,201 @@ def build_gemma3(path: str | os.PathLike[str], vocab: str | Vocab = "gemma", see
     return build_gguf(path, "gemma3", vocab, seed, **overrides)
 
 
-def build_diffusion_gemma(path: str | os.PathLike[str], vocab: str | Vocab = "gemma", seed: int = 0,
-                          **overrides: Any) -> Path:
-    """Always raises UnsupportedArchError for now (see the module docstring)."""
-    return build_gguf(path, "diffusion-gemma", vocab, seed, **overrides)
+
+
+
+# --------------------------------------------------------------------------------------
+# DiffusionGemma (llama.cpp PR #24423): its own builder, and the library that loads it
+
+# Gemma-like pieces the canvas template needs on a diffusion-gemma vocabulary: the
+# turn markers of the built-in gemma format and DiffusionGemma's thought channel.
+DG_TOKENS = [
+    ("<start_of_turn>", TokenType.CONTROL),
+    ("<end_of_turn>", TokenType.CONTROL),
+    ("<|channel>", TokenType.CONTROL),
+    ("<channel|>", TokenType.CONTROL),
+]
+DG_EB_KEYS = {
+    "diffusion.eb_t_min": 0.3,
+    "diffusion.eb_t_max": 0.9,
+    "diffusion.eb_entropy_bound": 0.5,
+    "diffusion.eb_stability_threshold": 2,
+    "diffusion.eb_confidence_threshold": 0.01,
+    "diffusion.eb_max_steps": 6,
+}
+
+
+def build_diffusion_gemma(path: str | os.PathLike[str], vocab: str | Vocab = "tiny", seed: int = 0,
+                          canvas_length: int = 64, eb_keys: bool = True, context_length: int = 4096,
+                          n_swa: int = 8) -> Path:
+    """A tiny random-weight f32 diffusion-gemma GGUF for the loader of llama.cpp PR #24423
+    (the keys and tensors of ../shared/llama-dg/tiny/make_tiny_dg.py): 2 layers (layer 0
+    sliding-window, layer 1 global without attn_v), n_embd 64, 4 heads / 2 KV heads of 16,
+    4 experts (2 used) of 32 beside a dense FFN of 128, self-conditioning tensors,
+    `diffusion.canvas_length`, and the `diffusion.eb_*` keys of DG_EB_KEYS when `eb_keys`.
+    Vocabulary: the tiny one plus DG_TOKENS (eot = <end_of_turn>), mask `<mask>` (id 4).
+    Loads only with a llama.cpp that has the architecture (see dg_lib_dir)."""
+    a = "diffusion-gemma"
+    E, L, H, HKV, HD, F, X, XU, FE = 64, 2, 4, 2, 16, 128, 4, 2, 32
+    voc = _resolve_vocab(vocab, "user_defined").with_tokens(DG_TOKENS)
+    n_vocab = len(voc)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    w = _Writer(str(tmp), a)
+    w.add_name(f"tiny-diffusion-gemma-c{canvas_length}-s{seed}" + ("-eb" if eb_keys else ""))
+    w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
+    w.add_context_length(context_length)
+    w.add_embedding_length(E)
+    w.add_block_count(L)
+    w.add_feed_forward_length(F)
+    w.add_head_count(H)
+    w.add_head_count_kv(HKV)
+    w.add_key_length(HD)
+    w.add_value_length(HD)
+    w.add_uint32(f"{a}.attention.key_length_swa", HD)
+    w.add_uint32(f"{a}.attention.value_length_swa", HD)
+    w.add_rope_dimension_count(HD)
+    w.add_uint32(f"{a}.rope.dimension_count_swa", HD)
+    w.add_rope_freq_base(1e6)
+    w.add_float32(f"{a}.rope.freq_base_swa", 1e4)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_sliding_window(n_swa)
+    w.add_array(f"{a}.attention.sliding_window_pattern", [True, False])
+    w.add_expert_count(X)
+    w.add_expert_used_count(XU)
+    w.add_expert_feed_forward_length(FE)
+    w.add_causal_attention(False)
+    w.add_uint32("diffusion.canvas_length", int(canvas_length))
+    if eb_keys:
+        for k, v in DG_EB_KEYS.items():
+            _add_kv(w, k, v)
+    w.add_vocab_size(n_vocab)
+    w.add_tokenizer_model(voc.model)
+    w.add_key_value(gguf.Keys.Tokenizer.LIST, list(voc.tokens), GGUFValueType.ARRAY, sub_type=GGUFValueType.STRING)
+    w.add_key_value(gguf.Keys.Tokenizer.SCORES, list(voc.scores), GGUFValueType.ARRAY, sub_type=GGUFValueType.FLOAT32)
+    w.add_key_value(gguf.Keys.Tokenizer.TOKEN_TYPE, list(voc.types), GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
+    ids = dict(voc.ids)
+    w.add_bos_token_id(int(ids["bos"]))
+    w.add_eos_token_id(int(ids["eos"]))
+    w.add_unk_token_id(int(ids["unk"]))
+    w.add_pad_token_id(int(ids["pad"]))
+    w.add_eot_token_id(voc.token_id("<end_of_turn>"))
+    w.add_mask_token_id(voc.token_id("<mask>"))
+    for k, v in voc.flags.items():
+        w.add_bool(f"tokenizer.ggml.{k}", bool(v))
+
+    rng = np.random.default_rng(seed)
+
+    def t(name: str, *shape: int, scale: float = 0.1, ones: bool = False) -> None:
+        x = rng.standard_normal(shape, dtype=np.float32)
+        x *= np.float32(scale if not ones else 0.1)
+        if ones:
+            x += np.float32(1.0)
+        w.add_tensor(name, x)
+
+    t("token_embd.weight", n_vocab, E, scale=0.5)
+    t("output_norm.weight", E, ones=True)
+    t("self_cond_pre_norm.weight", E, ones=True)
+    t("self_cond_gate.weight", F, E, scale=E ** -0.5)
+    t("self_cond_up.weight", F, E, scale=E ** -0.5)
+    t("self_cond_down.weight", E, F, scale=F ** -0.5)
+    w.add_tensor("rope_freqs.weight", np.ones(HD // 2, dtype=np.float32))
+    for i in range(L):
+        p = f"blk.{i}."
+        t(p + "attn_norm.weight", E, ones=True)
+        t(p + "attn_q.weight", H * HD, E, scale=E ** -0.5)
+        t(p + "attn_k.weight", HKV * HD, E, scale=E ** -0.5)
+        if i == 0:
+            t(p + "attn_v.weight", HKV * HD, E, scale=E ** -0.5)  # the global layer reuses K as V
+        t(p + "attn_output.weight", E, H * HD, scale=(H * HD) ** -0.5)
+        t(p + "attn_q_norm.weight", HD, ones=True)
+        t(p + "attn_k_norm.weight", HD, ones=True)
+        t(p + "post_attention_norm.weight", E, ones=True)
+        w.add_tensor(p + "layer_output_scale.weight", np.array([0.9], dtype=np.float32))
+        w.add_tensor(p + "enc_layer_output_scale.weight", np.array([1.1], dtype=np.float32))
+        t(p + "ffn_norm.weight", E, ones=True)
+        t(p + "ffn_gate.weight", F, E, scale=E ** -0.5)
+        t(p + "ffn_up.weight", F, E, scale=E ** -0.5)
+        t(p + "ffn_down.weight", E, F, scale=F ** -0.5)
+        t(p + "post_ffw_norm.weight", E, ones=True)
+        t(p + "ffn_gate_inp.weight", X, E, scale=E ** -0.5)
+        t(p + "ffn_gate_inp.scale", E, ones=True)
+        t(p + "pre_ffw_norm_2.weight", E, ones=True)
+        t(p + "post_ffw_norm_1.weight", E, ones=True)
+        t(p + "post_ffw_norm_2.weight", E, ones=True)
+        t(p + "ffn_gate_exps.weight", X, FE, E, scale=E ** -0.5)
+        t(p + "ffn_up_exps.weight", X, FE, E, scale=E ** -0.5)
+        t(p + "ffn_down_exps.weight", X, E, FE, scale=FE ** -0.5)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, path)
+    return path
+
+
+def shared_dir() -> Path:
+    """../shared next to the repository root (CI has it at the same place)."""
+    return Path(__file__).resolve().parents[1].parent / "shared"
+
+
+def dg_lib_source() -> Path | None:
+    """../shared/llama-dg/lib when it exists (llama.cpp with PR #24423), else None."""
+    lib = shared_dir() / "llama-dg" / "lib"
+    return lib if lib.is_dir() else None
+
+
+def dg_lib_dir(cache: str | os.PathLike[str] | None = None) -> Path | None:
+    """A folder to put in LLAMA_CPP_LIB_PATH for the DiffusionGemma library, or None.
+
+    The shared folder is used as it is when its libllama.so loads as an ELF file. A copy
+    whose symbolic links were flattened into small text files holding the link target
+    (as some transfers leave them) is repaired in `cache` (default: a folder under the
+    system temp dir): the real files copied, the links rebuilt."""
+    import shutil
+    import tempfile
+
+    src = dg_lib_source()
+    if src is None:
+        return None
+
+    def is_elf(p: Path) -> bool:
+        try:
+            with open(p, "rb") as fh:
+                return fh.read(4) == b"\x7fELF"
+        except OSError:
+            return False
+
+    if is_elf(src / "libllama.so"):
+        return src
+    dst = Path(cache) if cache else Path(tempfile.gettempdir()) / f"gmlx-llama-dg-{os.getuid()}"
+    marker = dst / ".complete"
+    stamp = "\n".join(f"{p.name} {p.stat().st_size} {p.stat().st_mtime_ns}" for p in sorted(src.iterdir()))
+    if marker.is_file() and marker.read_text() == stamp:
+        return dst
+    work = Path(tempfile.mkdtemp(prefix="llama-dg-", dir=str(dst.parent)))
+    for p in sorted(src.iterdir()):
+        if is_elf(p):
+            shutil.copy2(p, work / p.name)
+    for p in sorted(src.iterdir()):
+        if not is_elf(p) and p.stat().st_size < 256:
+            target = p.read_text().strip()
+            if target and "/" not in target and (src / target).exists():
+                os.symlink(target, work / p.name)
+    (work / ".complete").write_text(stamp)
+    if dst.exists():
+        shutil.rmtree(dst, ignore_errors=True)
+    try:
+        os.replace(work, dst)
+    except OSError:  # another process won the race: use its copy
+        shutil.rmtree(work, ignore_errors=True)
+    return dst
+
+
+def dg_env(lib: Path | None = None) -> dict[str, str]:
+    """os.environ with LLAMA_CPP_LIB_PATH set to the DiffusionGemma library."""
+    lib = lib or dg_lib_dir()
+    if lib is None:
+        raise UnsupportedArchError("no ../shared/llama-dg/lib")
+    return {**os.environ, "LLAMA_CPP_LIB_PATH": str(lib)}

@@ -22,9 +22,22 @@ labels, with distinct token ids; otherwise the request is refused (422).
 
 Canvas width: the smallest multiple of 16 that holds the template and its
 end-of-turn token, at most the served canvas (the constructor's `canvas`,
-capped by the GGUF's `diffusion.canvas_length`). DiffusionGemma's llama.cpp
-graph treats the last `diffusion.canvas_length` tokens of a forward as its
-canvas, so there the canvas is always padded to that length.
+capped by the GGUF's `diffusion.canvas_length`).
+
+DiffusionGemma (llama.cpp PR #24423, checked against its graph): one
+llama_decode over [prompt | canvas] where the canvas is the last
+`diffusion.canvas_length` tokens of the *whole batch* (no batch larger than
+that: all of it is canvas). The prompt is embedded and attended causally, the
+canvas is embedded through the self-conditioning block and attends to
+everything; the attention mask ignores sequence ids. So a DiffusionGemma
+forward carries exactly one read, no filler, its canvas padded to
+`canvas_length`, and its logits are read unshifted (row p predicts position
+p). Self-conditioning, as llama.cpp's own driver (examples/diffusion,
+`diffusion_generate_entropy_bound`) does it: `llama_diffusion_set_sc` enables
+the graph between model load and context creation; every forward then gets
+the previous step's raw canvas logits at 1 / (previous temperature), gated
+off (use 0, a zero buffer) on the first step. A library without the function
+runs with self-conditioning off, and the reader says so (`diagnostics()`).
 
 Random tokens: the seed's generator (numpy PCG64) draws, slot by slot in
 template order, uniformly among the question's label ids when the read is
@@ -54,6 +67,7 @@ core passed to `template_rows` when it planned the chunks.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -117,9 +131,26 @@ class _Job:
     trace: list[list[int]] = field(default_factory=list)  # the canvas of every forward
     t0: float = 0.0
 
+    sc: tuple[np.ndarray, float] | None = None  # DiffusionGemma: last forward's canvas rows, 1 / its t
+
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.canvas)
+
+
+def diffusion_set_sc(lm: LoadedModel):
+    """llama.cpp's `llama_diffusion_set_sc(model, sc_logits, use_sc, temp_inv, enabled)`
+    (PR #24423) from the loaded libllama, declared with ctypes; None when the
+    model is not DiffusionGemma or the library lacks the function."""
+    if lm.architecture != "diffusion-gemma":
+        return None
+    lib = getattr(getattr(llama_cpp, "llama_cpp", None), "_lib", None)
+    fn = getattr(lib, "llama_diffusion_set_sc", None) if lib is not None else None
+    if fn is None:
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_float), ctypes.c_float, ctypes.c_float, ctypes.c_bool]
+    fn.restype = None
+    return fn
 
 
 class CanvasReader:
@@ -133,14 +164,34 @@ class CanvasReader:
         canvas: int = 64,
         parallel: int = 8,
         schedule: denoise.Schedule | None = None,
+        self_conditioning: bool = True,
     ):
         self.lm = lm
+        self.dg = lm.architecture == "diffusion-gemma"
+        if self.dg and not lm.canvas_length:
+            raise ServerError(f"model {lm.model_id!r}: a diffusion-gemma GGUF without diffusion.canvas_length")
         n_ctx = int(settings.get("n_ctx") or 8192)
         # No KV cache: a forward is one ubatch, so n_batch = n_ubatch = the largest
         # forward: n_ctx, or less when the config sets n_ubatch (llama.cpp's compute
         # buffer holds n_ubatch rows of logits: n_ubatch x n_vocab floats).
         ubatch = min(n_ctx, int(settings.get("n_ubatch") or n_ctx))
-        self.parallel = max(1, int(parallel))
+        # DiffusionGemma's graph takes the batch's last canvas_length tokens as the
+        # canvas whatever the sequences: one read per forward.
+        self.parallel = 1 if self.dg else max(1, int(parallel))
+        # Self-conditioning: enabled on the model before its context exists (the
+        # context reserves its compute buffer for the graph it will run).
+        self._sc_fn = diffusion_set_sc(lm)
+        self._set_sc = self._sc_fn if self_conditioning else None
+        self.self_conditioning = self._set_sc is not None
+        if self.dg and self._set_sc is None:
+            why = "turned off" if not self_conditioning else "this llama.cpp has no llama_diffusion_set_sc"
+            self.sc_note: str | None = f"off ({why})"
+        else:
+            self.sc_note = "on" if self.dg else None
+        self._sc_zero: np.ndarray | None = None
+        if self._set_sc is not None:
+            self._sc_zero = np.zeros((lm.canvas_length, lm.n_vocab), dtype=np.float32)
+        self._sc_call(None)
         # Each sequence may be followed by a filler sequence (alignment), hence 2x.
         self.ctx = Context(
             lm,
@@ -189,6 +240,33 @@ class CanvasReader:
         self._cache_lock = threading.Lock()
         self.last_trace: list[list[list[int]]] = []  # per read of the last read_many: canvases fed
         self.forwards = 0  # llama_decode calls made (tests, bench)
+        self.sc_forwards = 0  # of them, DiffusionGemma forwards fed the previous step's logits
+
+    def diagnostics(self) -> dict[str, Any]:
+        """Facts about how this reader runs, for a decision's diagnostics:
+        DiffusionGemma's self-conditioning ("on", or "off (why)")."""
+        return {"self_conditioning": self.sc_note} if self.dg else {}
+
+    def _sc_call(self, sc: tuple[np.ndarray, float] | None) -> None:
+        """Set the self-conditioning input of the next forward: `sc` = (the
+        previous forward's canvas rows, 1 / its temperature), or None (first
+        step: a zero buffer, gated off, as llama.cpp's driver does)."""
+        if self._set_sc is None:
+            if self._sc_fn is not None:  # turned off: the model may carry another reader's setting
+                self._sc_fn(self.lm.model, None, 0.0, 1.0, False)
+            return
+        if sc is None:
+            # The first step: llama.cpp's driver runs the graph with the gate at 0,
+            # which adds exactly 0 to the canvas embeddings; leaving the block out
+            # gives the same numbers (tested bitwise) without its cost (a softmax
+            # over canvas x vocabulary and a vocabulary-wide matmul).
+            self._sc_live = self._sc_zero
+            self._set_sc(self.lm.model, self._sc_zero.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 0.0, 1.0, False)
+            return
+        buf, tinv = sc
+        assert buf.flags.c_contiguous and buf.dtype == np.float32 and buf.shape == self._sc_zero.shape
+        self._sc_live = buf  # llama.cpp reads it during the next llama_decode
+        self._set_sc(self.lm.model, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1.0, tinv, True)
 
     # -- model facts ---------------------------------------------------------
     def _builtin_format(self) -> str:
@@ -242,6 +320,12 @@ class CanvasReader:
                 )
         # 400: the largest forward the decision can build must fit one ubatch.
         need, prompt = self.largest_forward(decision)
+        if self.dg and self.fixed_width and self.fixed_width >= self.limit:
+            raise InvalidRequest(
+                f"this model's canvas (diffusion.canvas_length {self.fixed_width}) plus a prompt does not fit "
+                f"one forward of {self.limit} tokens (n_ubatch / n_ctx); serve it with a larger n_ubatch and n_ctx",
+                param="model",
+            )
         if need > self.limit:
             raise InvalidRequest(
                 f"the decision's largest read needs {need} tokens (a prompt of {prompt} plus its canvas) "
@@ -269,7 +353,12 @@ class CanvasReader:
         width = self.fixed_width or min(self.canvas, ceil_to(rows))
         if think:
             width = max(width, self._thought_width())
-        return ceil_to(prompt + width), prompt
+        return self._need(prompt, width), prompt
+
+    def _need(self, prompt: int, width: int) -> int:
+        """Batch tokens of a forward: DiffusionGemma's exactly (no filler),
+        others' rounded up to the alignment."""
+        return prompt + width if self.dg else ceil_to(prompt + width)
 
     def read(self, read: Read) -> ReadResult:
         return self.read_many([read])[0]
@@ -282,7 +371,7 @@ class CanvasReader:
         active = list(jobs)
         while active:
             for group in self._groups(active):
-                starts = self._forward([j.prompt + j.canvas for j in group])
+                starts = self._forward([j.prompt + j.canvas for j in group], sc=group[0].sc if self.dg else None)
                 for job, start in zip(group, starts):
                     self._advance(job, start)
             active = [j for j in active if j.result is None]
@@ -412,7 +501,7 @@ class CanvasReader:
     def _job(self, read: Read) -> _Job:
         t0 = time.perf_counter()
         prompt, template = self.layout(read)
-        need = ceil_to(len(prompt) + template.width)
+        need = self._need(len(prompt), template.width)
         if need > self.limit:
             raise InvalidRequest(
                 f"the read needs {need} tokens but the context holds {self.limit}; "
@@ -441,11 +530,32 @@ class CanvasReader:
             groups.append(current)
         return groups
 
-    def _forward(self, seqs: Sequence[Sequence[int]]) -> list[int]:
+    def _forward(self, seqs: Sequence[Sequence[int]], sc: tuple[np.ndarray, float] | None = None) -> list[int]:
         """One llama_decode over `seqs`, each its own sequence starting at a
         batch offset that is a multiple of ALIGN, a filler sequence after any
         that does not end on one. Returns each sequence's first batch index;
-        rows stay readable (`_rows`) until the next forward."""
+        rows stay readable (`_rows`) until the next forward.
+
+        DiffusionGemma: exactly one sequence, no filler (its canvas is the
+        batch's last canvas_length tokens),
+        `sc` its self-conditioning input (None: the first step)."""
+        if self.dg:
+            if len(seqs) != 1:
+                raise ServerError(f"internal: a diffusion-gemma forward carries one read, not {len(seqs)}")
+            toks = seqs[0]
+            first = len(toks) - int(self.fixed_width or 0)
+            if first < 1:
+                raise ServerError("internal: a diffusion-gemma forward needs a prompt before its canvas")
+            # No logits flags: llama.cpp's encoder path returns every row anyway
+            # (flagged rows would also be copied out by Context.decode).
+            entries = [Entry(int(t), j, 0) for j, t in enumerate(toks)]
+            if len(entries) > self.limit:
+                raise ServerError(f"internal: a forward of {len(entries)} tokens exceeds the context's {self.limit}")
+            self._sc_call(sc)
+            self.ctx.decode(entries)
+            self.forwards += 1
+            self.sc_forwards += sc is not None and self._set_sc is not None
+            return [0]
         entries: list[Entry] = []
         starts: list[int] = []
         seq = 0
@@ -522,8 +632,14 @@ class CanvasReader:
         accepted = denoise.accept(entropy, self.schedule.entropy_bound)
         for k, slot in enumerate(slots):
             job.canvas[slot.pos] = sampled[k] if accepted[k] else renoise[k]
+        if self._set_sc is not None:
+            job.sc = (self._canvas_rows(len(job.prompt), len(job.canvas)), 1.0 / t)
         job.step += 1
         return False
+
+    def _canvas_rows(self, prompt_len: int, width: int) -> np.ndarray:
+        """A copy of the last forward's canvas rows (DiffusionGemma: one read at batch 0)."""
+        return np.ascontiguousarray(self.ctx.logits_rows(prompt_len, width), dtype=np.float32).copy()
 
     # -- thinking ----------------------------------------------------------------
     def _thought_width(self) -> int:
@@ -545,7 +661,7 @@ class CanvasReader:
         closed = False
         while len(out) < budget:
             prefix = head + out
-            if ceil_to(len(prefix) + width) > self.limit:
+            if self._need(len(prefix), width) > self.limit:
                 log.info("thought stopped at %d tokens: the context is full", len(out))
                 break
             block = self._denoise_open(prefix, width, rng)
@@ -574,10 +690,13 @@ class CanvasReader:
         prev: np.ndarray | None = None
         held = 0
         argmax = canvas
+        sc: tuple[np.ndarray, float] | None = None
         for step in range(steps):
-            start = self._forward([prefix + canvas.tolist()])[0]
+            start = self._forward([prefix + canvas.tolist()], sc=sc)[0]
             rows = self.ctx.logits_rows(start + len(prefix) - self.shift, width)
             t = self.schedule.temperature(step, steps)
+            if self._set_sc is not None:
+                sc = (np.array(rows, dtype=np.float32, copy=True, order="C"), 1.0 / t)
             u = rng.random(width)
             renoise = rng.integers(self.n_vocab, size=width)
             entropy, argmax, sampled = denoise.rows_stats(rows, t, u)

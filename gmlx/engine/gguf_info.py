@@ -12,6 +12,12 @@ from pathlib import Path
 # SPEC 3: these read on the diffusion canvas; everything else with a chat
 # template reads next-token.
 DIFFUSION_ARCHS = frozenset({"diffusion-gemma", "llada", "llada-moe", "dream", "rnd1"})
+# Architectures each explicit `read_strategy` can serve (docs/reads.md).
+WINNOW_ARCHS = frozenset({"gemma4"})
+LIQUID_ARCHS = frozenset({"lfm2", "lfm2moe"})
+# Hybrid / recurrent architectures: their memory cannot drop part of a sequence,
+# so shared-prefix reads copy whole sequences instead (engine/hybrid.py).
+RECURRENT_ARCHS = frozenset({"qwen35", "qwen35moe", "qwen3next", "lfm2", "lfm2moe"})
 
 
 @dataclass(frozen=True)
@@ -122,16 +128,50 @@ def read_info(path: str | Path) -> GGUFInfo:
     )
 
 
+def loaded_libllama() -> Path | None:
+    """The libllama file the binding loaded (LLAMA_CPP_LIB_PATH's when set at
+    import, else the bundled one), symbolic links resolved; None if unknown."""
+    import llama_cpp
+
+    lib = getattr(getattr(llama_cpp, "llama_cpp", None), "_lib", None)
+    name = getattr(lib, "_name", None)
+    if name:
+        p = Path(name).resolve()
+        if p.is_file():
+            return p
+    return None
+
+
 @lru_cache(maxsize=1)
 def _libllama_bytes() -> bytes:
     import llama_cpp
 
+    loaded = loaded_libllama()
+    if loaded is not None:
+        return loaded.read_bytes()
     lib_dir = Path(llama_cpp.__file__).parent / "lib"
     chunks = []
     for lib in sorted(lib_dir.glob("libllama*")):
-        if lib.is_file():
+        if lib.is_file() and lib.stat().st_size > 4096:  # not a flattened link
             chunks.append(lib.read_bytes())
     return b"".join(chunks)
+
+
+# Where to get a llama.cpp that loads an architecture the linked one lacks.
+_HOW_TO_GET = {
+    "diffusion-gemma": (
+        "DiffusionGemma needs a llama.cpp that carries PR #24423 (not merged upstream yet): build "
+        "llama-cpp-python against such a llama.cpp, or point LLAMA_CPP_LIB_PATH at a libllama built from "
+        "one (docs/reads.md, \"DiffusionGemma\")"
+    ),
+}
+
+
+def unsupported_note(arch: str) -> str:
+    """Why the linked llama.cpp cannot load `arch`, and what to install."""
+    how = _HOW_TO_GET.get(arch, "install a llama-cpp-python whose bundled llama.cpp has it "
+                                "(pip install --upgrade llama-cpp-python)")
+    return f"the installed llama.cpp does not know the architecture {arch!r}; {how}"
 
 
 # Loads a header-only GGUF in a child process (a failed load must not take

@@ -16,7 +16,7 @@ import llama_cpp
 
 from ..errors import ModelFileMissing, ModelLoadError
 from .chat import ChatTemplate, choose_template
-from .gguf_info import DIFFUSION_ARCHS, llama_supports_arch, read_info
+from .gguf_info import DIFFUSION_ARCHS, LIQUID_ARCHS, WINNOW_ARCHS, llama_supports_arch, read_info, unsupported_note
 
 log = logging.getLogger("gmlx.engine")
 
@@ -267,6 +267,34 @@ def strategy_for(arch: str, is_diffusion: bool, has_template: bool) -> str | Non
     return None
 
 
+STRATEGIES = ("auto", "next-token", "canvas", "winnow", "liquid")
+
+
+def resolve_strategy(requested: str | None, arch: str, is_diffusion: bool, has_template: bool) -> str | None:
+    """The config's `read_strategy` for a model of `arch`: `auto` is SPEC 3's
+    choice by architecture; an explicit strategy the architecture cannot serve
+    raises ValueError naming both."""
+    auto = strategy_for(arch, is_diffusion, has_template)
+    if requested in (None, "auto"):
+        return auto
+    diffusion = is_diffusion or arch in DIFFUSION_ARCHS
+    ok = {
+        "canvas": diffusion,
+        "next-token": not diffusion and has_template,
+        "winnow": arch in WINNOW_ARCHS,
+        "liquid": arch in LIQUID_ARCHS,
+    }.get(requested)
+    if ok:
+        return requested
+    need = {
+        "canvas": f"a diffusion architecture ({', '.join(sorted(DIFFUSION_ARCHS))})",
+        "next-token": "an autoregressive model with a chat template",
+        "winnow": f"architecture {' or '.join(sorted(WINNOW_ARCHS))}",
+        "liquid": f"architecture {' or '.join(sorted(LIQUID_ARCHS))}",
+    }.get(requested, f"one of {', '.join(STRATEGIES)}")
+    raise ValueError(f"read_strategy {requested!r} cannot serve architecture {arch!r} (it needs {need})")
+
+
 def load_model(model_id: str, path: Path, settings: dict[str, Any], isolate_vocab: bool = False) -> LoadedModel:
     """Load a GGUF. Raises ModelFileMissing (404 later) or ModelLoadError.
 
@@ -297,9 +325,7 @@ def load_model(model_id: str, path: Path, settings: dict[str, Any], isolate_voca
     if not model:
         if not llama_supports_arch(info.architecture):
             raise ModelLoadError(
-                f"model {model_id!r}: architecture {info.architecture!r} is not supported by the installed "
-                f"llama-cpp-python {llama_cpp.__version__}; install a llama-cpp-python whose bundled llama.cpp "
-                f"has it (pip install --upgrade llama-cpp-python)"
+                f"model {model_id!r} (llama-cpp-python {llama_cpp.__version__}): {unsupported_note(info.architecture)}"
             )
         raise ModelLoadError(
             f"model {model_id!r}: llama.cpp could not load {path} (architecture {info.architecture!r}; "
@@ -359,7 +385,11 @@ def load_model(model_id: str, path: Path, settings: dict[str, Any], isolate_voca
                 f"model {model_id!r}: chat template ({m.chat_template.origin}) does not render: "
                 f"{type(err).__name__}: {err}"
             ) from None
-    m.strategy = strategy_for(arch, is_diffusion, m.chat_template is not None)
+    try:
+        m.strategy = resolve_strategy(settings.get("read_strategy"), arch, is_diffusion, m.chat_template is not None)
+    except ValueError as err:
+        llama_cpp.llama_model_free(model)
+        raise ModelLoadError(f"model {model_id!r}: {err}") from None
     canvas = m.meta("diffusion.canvas_length")
     m.canvas_length = int(canvas) if canvas and canvas.isdigit() else None
     m.shift_logits = (m.meta("diffusion.shift_logits") or "").lower() == "true"
