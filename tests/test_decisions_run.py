@@ -131,13 +131,13 @@ def test_auto_extension_looks_at_every_label_position():
     del body["questions"]["refund"]
     reader = FakeReader(forced=forced)
     response = run(body, reader)
-    # Sample 3 repeats every order already read (team has 3 rotations; urgent and
-    # severity 2 orders each): it is no read at all.
-    assert [r.sample for r in reader.reads] == [0, 1, 2]
-    assert [[q.id for q in r.questions] for r in reader.reads] == [["urgent", "team", "severity"]] * 2 + [["team"]]
-    assert response["diagnostics"]["samples"]["n"] == 3
+    # urgent and severity have 2 orders each: samples 2 and 3 read only team
+    # (6 orders: 3 rotations, then the reversed order's).
+    assert [r.sample for r in reader.reads] == [0, 1, 2, 3]
+    assert [[q.id for q in r.questions] for r in reader.reads] == [["urgent", "team", "severity"]] * 2 + [["team"]] * 2
+    assert response["diagnostics"]["samples"]["n"] == 4
     reads = {qid: d["reads"] for qid, d in response["diagnostics"]["questions"].items()}
-    assert reads == {"urgent": 2, "team": 3, "severity": 2}
+    assert reads == {"urgent": 2, "team": 4, "severity": 2}
     forced["team"] = [0.98, 0.01, 0.01]
     assert run(body, FakeReader(forced=forced))["diagnostics"]["timing"]["reads"] == 1
 
@@ -190,16 +190,14 @@ def test_canvas_samples_differ_through_their_seeds():
 def test_position_bias_cancels_over_n_rotations(strategy):
     """A reader that always favours the first listed option gives uniform
     probabilities over n samples: each option is listed first exactly once."""
-    body = ticket_body(questions={"pick": {"type": "choice", "criteria": {f"o{i}": None for i in range(5)}}}, samples=6)
+    body = ticket_body(questions={"pick": {"type": "choice", "criteria": {f"o{i}": None for i in range(5)}}}, samples=5)
     logits = [4.0, 1.0, 0.0, -1.0, -2.0]  # by listed position
     reader = FakeReader(strategy, position_logits={"pick": logits})
     response = run(body, reader)
     pick = parse_decision(body, SETTINGS).question("pick")
     position_probs = stats.label_probs(logits)  # softmax by listed position
     orders = [list(r.questions[0].order) or [0, 1, 2, 3, 4] for r in reader.reads]
-    # next-token: sample 5 repeats sample 0's order and is not read again; a
-    # canvas sample is distinct by its seed, so it is read.
-    assert len(orders) == (5 if strategy == "next-token" else 6)
+    assert len(orders) == 5
     assert orders[0] == [0, 1, 2, 3, 4]
     assert sorted(o[0] for o in orders[:5]) == [0, 1, 2, 3, 4]  # every option first once
     assert all(o == orders[0][k:] + orders[0][:k] for o in orders for k in [o[0]])  # rotations
@@ -208,11 +206,20 @@ def test_position_bias_cancels_over_n_rotations(strategy):
         assert top["pick"]["label"] == pick.labels[order[0]]
         assert top["pick"]["p"] == pytest.approx(position_probs[0])
     got = list(response["answers"]["pick"]["probabilities"].values())
-    if strategy == "next-token":
-        assert got == pytest.approx([0.2] * 5, abs=1e-12)
-    else:
-        expected = [sum(position_probs[o.index(i)] for o in orders) / len(orders) for i in range(5)]
-        assert got == pytest.approx(expected)
+    assert got == pytest.approx([0.2] * 5, abs=1e-12)
+
+
+def test_two_n_samples_read_what_a_reversed_request_reads():
+    """Samples n..2n-1 list the reversed order's rotations, so 2n samples give the
+    same numbers whichever way round the options were sent; 2n+1 repeats sample 0."""
+    names = ["red", "green", "blue", "grey"]
+    fwd = {"pick": {"type": "choice", "criteria": {k: None for k in names}}}
+    rev = {"pick": {"type": "choice", "criteria": {k: None for k in reversed(names)}}}
+    a = run(ticket_body(questions=fwd, samples=9), FakeReader())
+    b = run(ticket_body(questions=rev, samples=9), FakeReader())
+    assert a["diagnostics"]["questions"]["pick"]["reads"] == 8
+    pa, pb = a["answers"]["pick"]["probabilities"], b["answers"]["pick"]["probabilities"]
+    assert pa == pytest.approx(pb, abs=1e-12)
 
 
 def test_permuted_prompt_lists_options_in_that_order():

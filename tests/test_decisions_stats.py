@@ -69,8 +69,18 @@ def test_choice_orders_are_balanced_rotations(n):
         # k = n samples: every option at every position exactly once.
         for position in range(n):
             assert sorted(o[position] for o in orders) == list(range(n))
-        # The cycle then repeats, and the start is fixed by the seed.
-        assert [option_order(x, k, seed) for k in range(n, 2 * n)] == orders
+        # Then the reversed request order's rotations, then the cycle repeats.
+        period = 2 * n if n >= 3 else 2
+        rev = [option_order(x, k, seed) for k in range(n, period)]
+        if n >= 3:
+            assert rev[0] == list(range(n))[::-1]
+            assert all(o == rev[0][rev[0].index(o[0]):] + rev[0][:rev[0].index(o[0])] for o in rev)
+            # 2n samples: the set of listings is the same for the reversed request.
+            both = {tuple(o) for o in orders + rev}
+            assert len(both) == 2 * n
+            flipped = {tuple(n - 1 - i for i in o) for o in both}  # the reversed request's listings, as original indices
+            assert {tuple(o) for o in both} == {tuple(o) for o in flipped}
+        assert [option_order(x, k, seed) for k in range(period, period + n)] == orders
     starts = {option_order(x, 1, seed)[0] for seed in range(50)}
     assert len(starts) == n - 1 if n > 2 else starts == {1}
 

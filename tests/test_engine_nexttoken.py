@@ -335,18 +335,18 @@ def test_model_without_thinking_ignores_think(gemma):
 
 def test_repeated_prompts_are_read_once_per_decision(qwen, monkeypatch):
     """A sample whose order repeats an earlier one is not read again and does not
-    count: nouls and scores have two orders, this choice four."""
+    count: nouls and scores have two orders, this 4-option choice eight."""
     evaluated = []
     real = qwen._evaluate
     monkeypatch.setattr(qwen, "_evaluate", lambda toks: evaluated.append(len(toks)) or real(toks))
     qs = _many_questions(4)  # noul, choice (4 options), score, noul
-    resp = decide(_decision({"state": "My card was charged twice.", "questions": qs, "samples": 5}), qwen, SETTINGS, "m")
-    # Sample 0 and 1 read all four (the noul and score flip), 2 and 3 only the
-    # choice, and sample 4 repeats sample 0 for every question: no read.
-    assert evaluated == [4, 4, 1, 1]
-    assert resp["diagnostics"]["samples"]["n"] == 4
+    resp = decide(_decision({"state": "My card was charged twice.", "questions": qs, "samples": 9}), qwen, SETTINGS, "m")
+    # Samples 0 and 1 read all four (the noul and score flip), 2..7 only the
+    # choice, and sample 8 repeats sample 0 for every question: no read.
+    assert evaluated == [4, 4, 1, 1, 1, 1, 1, 1]
+    assert resp["diagnostics"]["samples"]["n"] == 8
     reads = {qid: d["reads"] for qid, d in resp["diagnostics"]["questions"].items()}
-    assert reads == {"q0": 2, "q1": 4, "q2": 2, "q3": 2}
+    assert reads == {"q0": 2, "q1": 8, "q2": 2, "q3": 2}
     # One output token per distinct read, and usage counts what was evaluated.
-    assert resp["usage"]["output_tokens"] == 10
+    assert resp["usage"]["output_tokens"] == 14
     assert resp["diagnostics"]["evaluated_tokens"] > 0

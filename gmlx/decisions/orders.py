@@ -19,8 +19,11 @@ def option_order(question: Question, sample: int, seed: int) -> list[int]:
     Orders are balanced so that no option owes its answer to its place:
     - a choice takes cyclic rotations of the request order: sample 0 the
       request order, samples 1..n-1 the other n-1 rotations starting from a
-      seeded one, then the cycle repeats; n samples put every option at every
-      position exactly once;
+      seeded one, so n samples put every option at every position exactly
+      once; samples n..2n-1 do the same with the request order reversed, so
+      2n samples read every listing a reversed request would read too (its
+      answer cannot depend on which way round the options were sent); then
+      the cycle repeats;
     - a noul alternates yes-first and no-first;
     - a score alternates forward and reversed listing.
     The seed and the question id pick the first rotation, so the questions of
@@ -28,20 +31,27 @@ def option_order(question: Question, sample: int, seed: int) -> list[int]:
     """
     n = len(question.options)
     order = list(range(n))
-    if question.type == "choice":
-        k = sample % n
-        if k == 0 or n < 2:
-            return order
-        start = random.Random(f"{seed}:{question.id}").randrange(n - 1)
-        shift = 1 + (start + k - 1) % (n - 1)
-        return order[shift:] + order[:shift]
-    return order[::-1] if sample % 2 == 1 else order
+    if question.type != "choice":
+        return order[::-1] if sample % 2 == 1 else order
+    if n < 2:
+        return order
+    m = sample % distinct_orders(question)
+    if m >= n:  # the reversed request order's rotations
+        order, m = order[::-1], m - n
+    if m == 0:
+        return order
+    start = random.Random(f"{seed}:{question.id}").randrange(n - 1)
+    shift = 1 + (start + m - 1) % (n - 1)
+    return order[shift:] + order[:shift]
 
 
 def distinct_orders(question: Question) -> int:
-    """How many distinct orders option_order cycles through."""
+    """How many distinct orders option_order cycles through: 2n for a choice of
+    three or more options (rotations, then reversed rotations), 2 otherwise."""
     n = len(question.options)
-    return n if question.type == "choice" else min(2, n)
+    if question.type == "choice" and n >= 3:
+        return 2 * n
+    return min(2, n)
 
 
 def listed(question: Question, order: Sequence[int]) -> Question:
