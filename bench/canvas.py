@@ -17,13 +17,23 @@ and, per model, the cost of 4 samples read one after another versus packed
 as sequences of one llama_decode (CanvasReader.read_many). Medians of
 --repeat runs.
 
-    python bench/canvas.py [--repeat 3] [--threads 1] [--no-gemma]
+DiffusionGemma rows (when ../shared/llama-dg/lib exists, llama.cpp with PR
+#24423; run in a child process with LLAMA_CPP_LIB_PATH set): the tiny
+diffusion-gemma GGUF (canvas_length 64; tiny vocabulary, and Gemma's), the
+same decision vs bare columns (bare: one llama_decode of the same token count,
+self-conditioning off as on a first step), then the cost of `steps` 1 / 4 / 8
+on the 4-question decision (forwards run, ms, ms per forward; later steps feed
+the previous step's logits back through self-conditioning).
+
+    python bench/canvas.py [--repeat 3] [--threads 1] [--no-gemma] [--dg-only | --no-dg]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
+import subprocess
 import statistics
 import sys
 import tempfile
@@ -60,9 +70,9 @@ KINDS = [
 SETTINGS = DecisionSettings()
 
 
-def body(n: int) -> dict:
+def body(n: int, steps: int = 1) -> dict:
     questions = {f"q{i + 1}": copy.deepcopy(KINDS[i % len(KINDS)]) for i in range(n)}
-    return {"state": STATE, "questions": questions, "samples": 1, "steps": 1}
+    return {"state": STATE, "questions": questions, "samples": 1, "steps": steps}
 
 
 def median_ms(fn, repeat: int) -> float:
@@ -85,6 +95,7 @@ def bench_model(label: str, path: Path, threads: int, repeat: int, n_ctx: int) -
     lm = load_model(label, path, settings)
     reader = CanvasReader(lm, settings)
     lines = []
+    dg = lm.architecture == "diffusion-gemma"
     try:
         for n in (4, 16):
             decision = parse_decision(body(n), SETTINGS)
@@ -125,11 +136,25 @@ def bench_model(label: str, path: Path, threads: int, repeat: int, n_ctx: int) -
                 runs.append(((time.perf_counter() - t0) * 1000.0, sum(in_decode)))
             del reader.ctx.decode
             decision_ms, decode_ms = sorted(runs)[len(runs) // 2]
-            bare_ms = median_ms(lambda: bare_decode(reader, tokens), repeat)
+            if dg:
+                # One forward per read: the bare floor is one decode of each read's tokens.
+                reader._sc_call(None)
+                bare_ms = median_ms(lambda: [bare_decode(reader, k) for k in sizes], repeat)
+            else:
+                bare_ms = median_ms(lambda: bare_decode(reader, tokens), repeat)
             lines.append(
                 f"{label:<22} {n:>3} {len(sizes):>8} {tokens:>7} {decision_ms:>11.1f} {decode_ms:>10.1f} "
                 f"{bare_ms:>9.1f} {decision_ms / bare_ms:>6.2f}"
             )
+        if dg:
+            for steps in (1, 4, 8):
+                f0 = reader.forwards
+                decide(parse_decision(body(4, steps), SETTINGS), reader, SETTINGS, label)
+                forwards = reader.forwards - f0
+                ms = median_ms(lambda: decide(parse_decision(body(4, steps), SETTINGS), reader, SETTINGS, label), repeat)
+                lines.append(f"{label:<22} steps {steps}: {forwards} forwards, {ms:.1f} ms, "
+                             f"{ms / max(1, forwards):.1f} ms per forward")
+            return lines
         # 4 samples of the 4-question read: one after another vs one decode.
         decision = parse_decision(body(4), SETTINGS)
         reads = [
@@ -151,7 +176,43 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-gemma", action="store_true", help="skip the Gemma-vocabulary models (slower)")
+    ap.add_argument("--dg-only", action="store_true", help="only the DiffusionGemma rows")
+    ap.add_argument("--no-dg", action="store_true", help="skip the DiffusionGemma rows")
+    ap.add_argument("--dg-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.dg_child:
+        return dg_child(args)
+    if not args.dg_only:
+        main_rows(args)
+    if not args.no_dg:
+        lib = tiny_gguf.dg_lib_dir()
+        if lib is None:
+            print("DiffusionGemma: no ../shared/llama-dg/lib, rows skipped")
+            return
+        cmd = [sys.executable, __file__, "--dg-child", "--repeat", str(args.repeat), "--threads", str(args.threads)]
+        if args.no_gemma:
+            cmd.append("--no-gemma")
+        sys.stdout.flush()
+        subprocess.run(cmd, check=True, env={**os.environ, "LLAMA_CPP_LIB_PATH": str(lib)})
+
+
+def dg_child(args) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        models = [("dgemma tiny-vocab c64", tiny_gguf.build_diffusion_gemma(d / "dg.gguf"), 2048)]
+        if not args.no_gemma:
+            gemma = tiny_gguf.embedded_gemma_path()
+            models.append(("dgemma gemma-vocab c64", tiny_gguf.build_diffusion_gemma(d / "dg-g.gguf", vocab=gemma),
+                           1024))
+        print(f"DiffusionGemma (../shared/llama-dg/lib), threads {args.threads}, median of {args.repeat}")
+        print(f"{'model':<22} {'q':>3} {'forwards':>8} {'tokens':>7} {'decision ms':>11} {'in decode':>10} "
+              f"{'bare ms':>9} {'ratio':>6}")
+        for label, path, n_ctx in models:
+            for line in bench_model(label, path, args.threads, args.repeat, n_ctx):
+                print(line, flush=True)
+
+
+def main_rows(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         models = [
