@@ -212,9 +212,12 @@ class CanvasReader:
         if self.canvas < ALIGN:
             raise ValueError(f"canvas {canvas}: at least {ALIGN} rows")
         self.fixed_width = lm.canvas_length if (lm.canvas_length and lm.architecture == "diffusion-gemma") else None
-        # llama.cpp builds that export prompt-cache phases could run the prompt once per
-        # read; 0.3.36 has none, and the padded single forward is correct everywhere.
-        self.has_phases = hasattr(llama_cpp, "llama_diffusion_set_phase")
+        # PR #24423 also exports prompt-cache phases (`llama_diffusion_set_phase`:
+        # prefill the prompt once, then decode only the canvas). They match the unified
+        # forward only to float round-off, so reads keep the unified forward: the
+        # same numbers whichever way a read is split into steps.
+        lib = getattr(getattr(llama_cpp, "llama_cpp", None), "_lib", None)
+        self.has_phases = self.dg and hasattr(lib, "llama_diffusion_set_phase")
         self.schedule = schedule or denoise.Schedule.from_meta(lm.meta)
 
         self.template_fmt = lm.chat_template
