@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+from .literal import literal
 from .types import Answered, Question
 
 # More questions than this in a decision: the compact `idLABEL` template.
@@ -105,7 +106,7 @@ def prefill_text(answered: Sequence[Answered], is_compact: bool) -> str:
         return ""
     items = [(a.question.id, a.question.labels[a.option]) for a in answered]
     body = separator(is_compact).join(item(qid, label, is_compact) for qid, label in items)
-    return body if is_compact else body + "\n"
+    return literal(body if is_compact else body + "\n")
 
 
 # -- thought blocks -----------------------------------------------------------
@@ -129,7 +130,8 @@ def thought_open(tags: tuple[str, str, str]) -> str:
 def thought_block(tags: tuple[str, str, str], text: str | None) -> str:
     """A closed thought block holding `text` (None or "" -> the empty block)."""
     open_tag, lead, close = tags
-    body = (text or "").strip()
+    # The thought is model text: plain text, only the tags are control tokens.
+    body = literal((text or "").strip())
     if open_tag == "<think>":
         # Qwen3's own empty block is "<think>\n\n</think>\n\n".
         return f"{open_tag}\n{body}\n{close}\n\n" if body else f"{open_tag}\n\n{close}\n\n"
@@ -145,12 +147,13 @@ def turn_prompt(fmt: str, system: str, user: str) -> str:
     """A one-turn prompt up to the start of the reply, in a built-in format:
     "gemma" (system text folded into the user turn, as Gemma does), "chatml",
     or "plain" text for vocabularies with no turn markers."""
+    # The system text and the state are the caller's: plain text (literal.py).
     if fmt == "gemma":
-        return f"<start_of_turn>user\n{system}\n\n{user.strip()}<end_of_turn>\n<start_of_turn>model\n"
+        return f"<start_of_turn>user\n{literal(system)}\n\n{literal(user.strip())}<end_of_turn>\n<start_of_turn>model\n"
     if fmt == "chatml":
-        return f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+        return f"<|im_start|>system\n{literal(system)}<|im_end|>\n<|im_start|>user\n{literal(user)}<|im_end|>\n<|im_start|>assistant\n"
     if fmt == "plain":
-        return f"{system}\n\nState:\n{user}\n\nAnswer:\n"
+        return f"{literal(system)}\n\nState:\n{literal(user)}\n\nAnswer:\n"
     raise ValueError(f"unknown turn format {fmt!r}")
 
 

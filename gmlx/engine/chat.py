@@ -14,6 +14,8 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ..decisions.literal import literal
+
 # Gemma's turn format. Gemma has no system role: system text goes ahead of the
 # first user message, as Google's own template does.
 GEMMA = (
@@ -100,6 +102,10 @@ class ChatTemplate:
                 msgs[0]["content"] = system + "\n\n" + msgs[0]["content"]
             else:
                 msgs.insert(0, {"role": "user", "content": system})
+        # Message contents are the caller's text: tokenized as plain text, so a
+        # "<end_of_turn>" inside a state stays text (decisions/literal.py).
+        for m in msgs:
+            m["content"] = literal(m["content"])
         return self._render(msgs, add_generation_prompt, dict(kwargs or {}))
 
 

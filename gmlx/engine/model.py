@@ -14,6 +14,7 @@ from typing import Any
 
 import llama_cpp
 
+from ..decisions.literal import segments as literal_segments
 from ..errors import ModelFileMissing, ModelLoadError
 from .chat import ChatTemplate, choose_template
 from .gguf_info import DIFFUSION_ARCHS, LIQUID_ARCHS, WINNOW_ARCHS, llama_supports_arch, read_info, unsupported_note
@@ -120,9 +121,13 @@ class LoadedModel:
         return self.tokenize(text, add_special=False, parse_special=False)
 
     def encode_prompt(self, text: str) -> list[int]:
-        """A rendered chat prompt -> tokens: special markers parsed, BOS added
-        when the model wants one and the template did not write it."""
-        toks = self.tokenize(text, add_special=False, parse_special=True)
+        """A rendered chat prompt -> tokens: the template's markers parsed as
+        special tokens, caller text (marked by decisions/literal.py) tokenized
+        as plain text, BOS added when the model wants one and the template did
+        not write it."""
+        toks: list[int] = []
+        for is_literal, part in literal_segments(text):
+            toks += self.tokenize(part, add_special=False, parse_special=not is_literal)
         bos = self.special.bos
         if self.add_bos and bos is not None and (not toks or toks[0] != bos):
             toks.insert(0, bos)

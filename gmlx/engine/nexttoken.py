@@ -19,6 +19,7 @@ import numpy as np
 
 from ..decisions import prompts
 from ..decisions.labels import check_label_tokens
+from ..decisions.literal import literal
 from ..decisions.types import Decision, Question, Read, ReadResult, SlotRead, Thought
 from ..errors import InvalidRequest, ValidationError
 from .context import Context, Entry, log_softmax
@@ -188,7 +189,7 @@ class NextTokenReader:
             return self.template.render(msgs, True, self._kwargs(user_kwargs, False))
         # The reply opens with the thought block, closed, then the answer.
         text = self.template.render(msgs, True, self._kwargs(user_kwargs, True))
-        return text + f"{THINK_OPEN}\n{thought.text.strip()}\n{THINK_CLOSE}\n\n"
+        return text + f"{THINK_OPEN}\n{literal(thought.text.strip())}\n{THINK_CLOSE}\n\n"
 
     def _prompt(self, read: Read, q: Question) -> _Prompt:
         # The decision core hands each question already in its sample's order
