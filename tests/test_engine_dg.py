@@ -147,6 +147,25 @@ def _child(eb_path: str, noeb_path: str) -> dict:
         "canvas_first_row_moved": float(np.abs(rows_a[len(prompt)] - rows_b[len(prompt)]).max()),
         "last_row_moved": float(np.abs(rows_a[-1] - rows_b[-1]).max()),
     }
+    # The first step as llama.cpp's driver runs it (self-conditioning graph on, gate 0, a
+    # zero buffer) gives the numbers of gmlx's first step (block left out), bitwise.
+    import ctypes
+
+    from gmlx.engine.context import Entry
+
+    zero = np.zeros((CANVAS, lm.n_vocab), dtype=np.float32)
+    reader._forward([toks])
+    rows_off = reader.ctx.logits_rows(0, len(toks)).copy()
+    reader._set_sc(lm.model, zero.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 0.0, 1.0, True)
+    real_decode([Entry(int(t), j, 0) for j, t in enumerate(toks)])
+    rows_gate0 = reader.ctx.logits_rows(0, len(toks)).copy()
+    # ... and a gate of 1 with the same (zero) logits is a different graph input.
+    reader._set_sc(lm.model, zero.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1.0, 1.0, True)
+    real_decode([Entry(int(t), j, 0) for j, t in enumerate(toks)])
+    rows_gate1 = reader.ctx.logits_rows(0, len(toks)).copy()
+    out["graph_split"]["driver_first_step_equal"] = bool(np.array_equal(rows_off, rows_gate0))
+    out["graph_split"]["gate1_moves_canvas"] = float(np.abs(rows_off[len(prompt):] - rows_gate1[len(prompt):]).max())
+    out["graph_split"]["gate1_keeps_prompt"] = bool(np.array_equal(rows_off[: len(prompt)], rows_gate1[: len(prompt)]))
     # A prompt token moved only changes rows from its position on.
     alt2 = list(toks)
     alt2[len(prompt) - 3] = toks[len(prompt) - 2]
@@ -328,6 +347,9 @@ def test_graph_split_matches_the_placement(dg):
     assert g["last_row_moved"] > 0
     assert g["rows_before_prompt_change_equal"]  # the prompt is causal
     assert g["canvas_moved_by_prompt"] > 0
+    # Self-conditioning acts on the canvas embeddings only; gated off it adds exactly 0.
+    assert g["driver_first_step_equal"] is True
+    assert g["gate1_moves_canvas"] > 0 and g["gate1_keeps_prompt"] is True
 
 
 @needs_dg

@@ -92,7 +92,7 @@ def test_four_samples_are_four_distinct_reads(server):
     assert counts == 4
     assert one["diagnostics"]["timing"]["reads"] >= 4
     single = _post(server, ticket_body(model="dgemma", samples=1, seed=9))
-    assert single["answers"]["urgent"] != one["answers"]["urgent"]
+    assert single["answers"] != one["answers"]  # four reads averaged are not the first alone
 
 
 def test_openai_decisions_through_the_sdk(server):
