@@ -55,6 +55,14 @@ class LoadSettings(_Strict):
     batch_invariant: bool | None = None
     # Default `calibrate` for requests that do not set it (docs/quality.md).
     calibrate: Literal["none", "content_free"] | None = None
+    # Read strategy (docs/reads.md): auto = by architecture (SPEC 3).
+    read_strategy: Literal["auto", "next-token", "canvas", "winnow", "liquid"] | None = None
+    # Winnow: divides the candidate log-probabilities before their softmax.
+    decision_temperature: float | None = Field(None, gt=0)
+    # Winnow: "json" parses the state and writes it canonically.
+    decision_state_format: Literal["text", "json"] | None = None
+    # llama.cpp multimodal projector GGUF (images through libmtmd).
+    mmproj: str | None = None
 
     @field_validator("rpc_servers", mode="before")
     @classmethod
@@ -84,6 +92,10 @@ LOAD_DEFAULTS: dict[str, Any] = {
     "extra_buffers": "auto",
     "batch_invariant": True,
     "calibrate": "none",
+    "read_strategy": "auto",
+    "decision_temperature": 1.0,
+    "decision_state_format": "text",
+    "mmproj": None,
 }
 
 
@@ -161,6 +173,15 @@ class SystemOneConfig(_Strict):
         )
 
 
+class MediaConfig(_Strict):
+    """`images` on decision requests (models with an `mmproj`)."""
+
+    allow_urls: bool = False  # fetch http(s) image URLs (else data URLs only)
+    max_images: int = Field(8, ge=1, le=64)
+    max_image_bytes: int = Field(10 * 1024 * 1024, ge=1024)
+    fetch_timeout_s: float = Field(10.0, gt=0)
+
+
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
@@ -170,6 +191,7 @@ class ServerConfig(_Strict):
     max_queue: int = Field(16, ge=0)
     max_body_bytes: int = Field(1048576, ge=1024)
     systemone: SystemOneConfig = Field(default_factory=SystemOneConfig)
+    media: MediaConfig = Field(default_factory=MediaConfig)
 
     @field_validator("api_key")
     @classmethod

@@ -20,9 +20,23 @@ def open_reader(lm, settings: dict[str, Any], canvas: int = 64):
     llama.cpp context: create it on the thread that will use it. `canvas` is
     the served canvas width (`server.systemone.canvas`) for canvas reads."""
     if lm.strategy == "next-token":
+        from .gguf_info import RECURRENT_ARCHS
+
+        if lm.architecture in RECURRENT_ARCHS:
+            from .hybrid import HybridNextTokenReader
+
+            return _with_defaults(HybridNextTokenReader(lm, settings), lm, settings)
         from .nexttoken import NextTokenReader
 
         return _with_defaults(NextTokenReader(lm, settings), lm, settings)
+    if lm.strategy == "winnow":
+        from .winnow import WinnowReader
+
+        return _with_defaults(WinnowReader(lm, settings), lm, settings)
+    if lm.strategy == "liquid":
+        from .liquid import LiquidReader
+
+        return _with_defaults(LiquidReader(lm, settings), lm, settings)
     if lm.strategy == "canvas":
         from .canvas import CanvasReader
 
