@@ -108,13 +108,13 @@ def main() -> None:
 
         def run_naive():
             for toks in prompts:
-                reader.ctx.clear()
+                reader.clear_cache()
                 reader._decode_run([Entry(t, i, 0, i == len(toks) - 1) for i, t in enumerate(toks)])
 
         flat = prompts[0][:prefix] + [t for p in prompts for t in p[prefix:]]
 
         def run_limit():
-            reader.ctx.clear()
+            reader.clear_cache()
             reader._decode_run([Entry(t, i, 0, i == len(flat) - 1) for i, t in enumerate(flat)])
 
         run_decision()  # warm-up
@@ -123,7 +123,7 @@ def main() -> None:
         b = timed(run_batched, args.repeat)
         nv = timed(run_naive, args.repeat)
         lim = timed(run_limit, args.repeat)
-        reader.reset()
+        reader.clear_cache()
         print(f"{n:>9} {max(map(len, prompts)):>6} {unique:>6} {d:>10.3f} {b:>9.3f} {nv:>8.3f} {lim:>8.3f} "
               f"{d / b:>16.2f} {nv / d:>14.2f} {d / lim:>14.2f}", flush=True)
 

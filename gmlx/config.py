@@ -55,6 +55,8 @@ class LoadSettings(_Strict):
     batch_invariant: bool | None = None
     # Default `calibrate` for requests that do not set it (docs/quality.md).
     calibrate: Literal["none", "content_free"] | None = None
+    # Host memory for prefixes kept between decisions (0: no cross-request cache).
+    prefix_cache_mib: int | None = Field(None, ge=0)
     # Read strategy (docs/reads.md): auto = by architecture (SPEC 3).
     read_strategy: Literal["auto", "next-token", "canvas", "winnow", "liquid"] | None = None
     # Winnow: divides the candidate log-probabilities before their softmax.
@@ -139,6 +141,7 @@ class SystemOneConfig(_Strict):
     constrained: bool = True
     max_questions: int = Field(64, ge=1, le=1024)
     max_samples: int = Field(32, ge=1, le=1024)
+    auto_max: int = Field(4, ge=1, le=1024)
     think: Any = 0  # 0..4096 or "auto"; checked below, one message for both shapes
     think_threshold: float = Field(0.8, gt=0, le=1)
     think_budget: int = Field(64, ge=1, le=4096)
@@ -163,6 +166,7 @@ class SystemOneConfig(_Strict):
         return DecisionSettings(
             max_questions=self.max_questions,
             max_samples=self.max_samples,
+            auto_max=self.auto_max,
             think=self.think,
             think_threshold=self.think_threshold,
             think_budget=self.think_budget,

@@ -194,9 +194,9 @@ def _usage(result: dict) -> dict:
     output_tokens = int(usage.get("output_tokens", 0))
     return {
         "input_tokens": input_tokens,
-        # Every decision starts with a clean context (no prefix kept between
-        # requests), so nothing is read from or written to a prompt cache.
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        # Prompt tokens taken from the model's prefix cache (an earlier
+        # decision under the same prompt_cache_key had evaluated them).
+        "input_tokens_details": {"cached_tokens": int(usage.get("cached_tokens", 0)), "cache_write_tokens": 0},
         "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": int(thought.get("tokens", 0) or 0)},
         "total_tokens": input_tokens + output_tokens,

@@ -109,6 +109,8 @@ def decide(
         "input_tokens": max(p.prompt_tokens for p in passes),
         "output_tokens": sum(p.output_tokens for p in passes) + (thought.tokens if thought else 0),
     }
+    # Prompt tokens an earlier decision had evaluated (cross-request prefix cache).
+    usage["cached_tokens"] = sum(p.cached_tokens for p in passes)
     if diagnostics["calibrate"] != "none":
         # Content-free reads this decision paid for (0 when every prior was cached).
         usage["prior_reads"] = sum(p.prior_reads for p in passes)
@@ -170,6 +172,11 @@ def _diagnostics(decision, reader, plan, run: Pass, thought, think_auto, passes)
     }
     if think_auto is not None:
         out["think_auto"] = think_auto
+    # What the engine itself reports (e.g. DiffusionGemma's self-conditioning).
+    extra = getattr(reader, "diagnostics", None)
+    if callable(extra):
+        for key, value in (extra() or {}).items():
+            out.setdefault(key, value)
     return out
 
 

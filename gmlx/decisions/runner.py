@@ -46,6 +46,10 @@ class Pass:
         )
 
     @property
+    def cached_tokens(self) -> int:
+        return sum(r.cached_tokens for g in self.groups for r in g.results)
+
+    @property
     def prior_reads(self) -> int:
         return sum(g.prior_reads for g in self.groups)
 

@@ -41,6 +41,8 @@ class DecisionSettings:
 
     max_questions: int = 64
     max_samples: int = 32
+    # The request's auto_max when it sends none (server.systemone.auto_max).
+    auto_max: int = 4
     think: int | str = 0
     think_threshold: float = 0.8
     think_budget: int = 64
@@ -145,6 +147,8 @@ class ReadResult:
     # Tokens llama.cpp actually evaluated for this read (prefix reuse excluded);
     # None: the reader does not say.
     evaluated_tokens: int | None = None
+    # Prompt tokens taken from an earlier decision's prefix (the cross-request cache).
+    cached_tokens: int = 0
 
 
 class Reader(Protocol):

@@ -86,6 +86,21 @@ class Context:
         if self.memory:
             llama_cpp.llama_memory_seq_cp(self.memory, src, dst, p0, p1)
 
+    def seq_state(self, seq: int) -> bytes:
+        """Sequence `seq`'s KV cells as bytes (llama_state_seq_get_data), to
+        restore later with set_seq_state."""
+        size = llama_cpp.llama_state_seq_get_size(self.ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        n = llama_cpp.llama_state_seq_get_data(self.ctx, buf, size, seq)
+        if n != size:
+            raise ServerError(f"llama.cpp saved {n} of {size} bytes of sequence {seq}")
+        return bytes(buf)
+
+    def set_seq_state(self, data: bytes, seq: int) -> bool:
+        """Restore bytes from seq_state into sequence `seq` (empty it first)."""
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        return llama_cpp.llama_state_seq_set_data(self.ctx, buf, len(data), seq) == len(data)
+
     # -- decode ------------------------------------------------------------
     def decode(self, entries: Sequence[Entry]) -> dict[int, np.ndarray]:
         """Decode `entries` (at most max_tokens) and return the logits rows that

@@ -12,6 +12,7 @@ between decisions, so no decision's numbers depend on another's.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,13 +78,40 @@ class NextTokenReader:
         self._slots: dict[tuple[int, ...], SlotRead] = {}
         self._label_ids: dict[str, int | None] = {}
         self._evaluated = 0  # tokens decoded so far (usage counts what was evaluated)
+        # Cross-request prefix cache: sequence 0 keeps the last prefix between
+        # decisions, and earlier prefixes wait in host memory (llama.cpp's
+        # sequence state) up to prefix_cache_mib. A prefix is reused only under
+        # the cache_salt it was written with (None is a salt of its own).
+        self._cache_limit = int(settings.get("prefix_cache_mib", 256) or 0) * 2**20
+        self._salt: str | None = None  # the salt of the read being evaluated
+        self._cached_salt: str | None = None  # the salt sequence 0's prefix was written under
+        self._saved: OrderedDict[tuple, bytes] = OrderedDict()  # (salt, tokens) -> state
+        self._saved_bytes = 0
+        self._first_hold = True
+        self._reused = 0  # tokens this decision took from an earlier one
 
     # -- protocol ----------------------------------------------------------
     def reset(self) -> None:
-        """Start of a decision: nothing of the previous one stays in the cache."""
+        """Start of a decision. Only the prefix cache outlives a decision, and
+        reusing it gives the same bits as evaluating again (docs/reads.md)."""
+        self._slots = {}
+        self._first_hold = True
+        self._reused = 0
+        if not self._cache_limit:
+            self._clear()
+            return
+        for seq in range(1, self.ctx.n_seq_max):
+            self.ctx.seq_rm(seq, -1, -1)
+
+    def _clear(self) -> None:
         self.ctx.clear()
         self._cached = []
-        self._slots = {}
+
+    def clear_cache(self) -> None:
+        """Empty the KV cache and the saved prefixes (tests, benches)."""
+        self._clear()
+        self._saved.clear()
+        self._saved_bytes = 0
 
     def template_rows(self, questions, total) -> int:  # noqa: ARG002 - no canvas
         return 0
@@ -157,7 +185,8 @@ class NextTokenReader:
         # The prompt's tokens fix the question and its option order, so they key the result.
         keys = [tuple(p.tokens) for p in built]
         todo = {k: p for k, p in zip(keys, built) if k not in self._slots}
-        evaluated = self._evaluated
+        evaluated, reused = self._evaluated, self._reused
+        self._salt = read.cache_salt
         if todo:
             rows = self._evaluate([p.tokens for p in todo.values()])
             for (key, p), row in zip(todo.items(), rows):
@@ -168,6 +197,7 @@ class NextTokenReader:
             output_tokens=len(todo),
             ms=(time.perf_counter() - t0) * 1000,
             evaluated_tokens=self._evaluated - evaluated,
+            cached_tokens=self._reused - reused,
         )
 
     def _slot(self, p: _Prompt, row: np.ndarray) -> SlotRead:
@@ -264,16 +294,74 @@ class NextTokenReader:
         return rows  # type: ignore[return-value]
 
     def _hold_prefix(self, prefix: list[int]) -> None:
-        """Make sequence 0 hold exactly `prefix`, reusing what it already has.
-        Batch-invariant reads never extend it by fewer than MIN_PIECE tokens:
-        some cached tokens are evaluated again instead."""
+        """Make sequence 0 hold exactly `prefix`, reusing what it already has
+        (or a saved prefix under the same salt). Batch-invariant reads never
+        extend it by fewer than MIN_PIECE tokens: some cached tokens are
+        evaluated again instead."""
+        if self._cache_limit:
+            self._pick_cached(prefix)
         keep = _common_prefix([self._cached, prefix], min(len(self._cached), len(prefix)))
+        if self._first_hold:
+            self._first_hold = False
+            self._reused += keep
         if self.batch_invariant and 0 < len(prefix) - keep < MIN_PIECE:
             keep = max(0, len(prefix) - MIN_PIECE)
         if keep < len(self._cached):
+            if self._cache_limit and keep < len(self._cached) - MIN_PIECE:
+                self._save_resident()  # a diverging prefix: keep the old one for later
             self.ctx.seq_rm(0, keep, -1)
         self._decode_run([Entry(tok, keep + j, 0) for j, tok in enumerate(prefix[keep:])])
         self._cached = list(prefix)
+
+    # -- prefix cache ------------------------------------------------------
+    def _pick_cached(self, prefix: list[int]) -> None:
+        """Put on sequence 0 the cached prefix (same salt) sharing most tokens with `prefix`."""
+        resident = _common_prefix([self._cached, prefix], min(len(self._cached), len(prefix)))
+        if self._cached_salt != self._salt:
+            resident = -1
+        best, best_n = None, max(resident, 0)
+        for key in self._saved:
+            salt, tokens = key
+            if salt != self._salt:
+                continue
+            n = _common_prefix([list(tokens), prefix], min(len(tokens), len(prefix)))
+            if n > best_n:
+                best, best_n = key, n
+        if best is None:
+            if resident < 0:  # another salt's prefix: never reused, put aside
+                self._save_resident()
+                self._clear()
+                self._cached_salt = self._salt
+            return
+        self._save_resident()
+        self._clear()
+        if self.ctx.set_seq_state(self._saved[best], 0):
+            self._saved.move_to_end(best)
+            self._cached = list(best[1])
+        else:  # llama.cpp refused the state: evaluate from scratch
+            self._clear()
+        self._cached_salt = self._salt
+
+    def _save_resident(self) -> None:
+        """Keep sequence 0's prefix in host memory before it is replaced."""
+        if len(self._cached) < 2 * MIN_PIECE:
+            return
+        key = (self._cached_salt, tuple(self._cached))
+        if key in self._saved:
+            self._saved.move_to_end(key)
+            return
+        data = self.ctx.seq_state(0)
+        if len(data) > self._cache_limit:
+            return
+        self._saved[key] = data
+        self._saved_bytes += len(data)
+        while self._saved_bytes > self._cache_limit:
+            _, old = self._saved.popitem(last=False)
+            self._saved_bytes -= len(old)
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        return self._saved_bytes
 
     def _run_group(self, group: list[int], suffixes, start: int, rows) -> None:
         entries: list[Entry] = []
@@ -313,7 +401,11 @@ class NextTokenReader:
         tokens = self.lm.encode_prompt(self._thought_prompt(decision))
         if len(tokens) + budget + 1 > self.ctx.n_ctx:
             raise InvalidRequest("the thought does not fit the context", param="think_budget")
-        self.reset()
+        # The thought is written from an empty cache (the cached prefix is put
+        # aside first) and is not kept: its one-token decodes are no prefix.
+        if self._cache_limit:
+            self._save_resident()
+        self._clear()
         rows = self._decode_run([Entry(t, j, 0, j == len(tokens) - 1) for j, t in enumerate(tokens)])
         row = rows[len(tokens) - 1]
         rng = np.random.default_rng(seed)
@@ -331,7 +423,7 @@ class NextTokenReader:
             out.append(tok)
             row = self.ctx.decode([Entry(tok, pos, 0, True)])[0]
             pos += 1
-        self.reset()
+        self._clear()
         return Thought(
             text=self.lm.decode(out), tokens=len(out), closed=closed, ms=(time.perf_counter() - t0) * 1000
         )
