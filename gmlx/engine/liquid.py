@@ -19,6 +19,7 @@ from typing import Any
 
 from ..decisions import prompts
 from ..decisions.labels import check_label_tokens
+from ..decisions.literal import literal
 from ..decisions.types import Decision, Question, Thought
 from .hybrid import HybridPrefixMixin
 from .model import LoadedModel
@@ -54,16 +55,16 @@ def liquid_labels(q: Question) -> tuple[str, ...]:
 def user_content(state: str, q: Question, answered=(), images: int = 0) -> str:
     text = liquid_state(state)
     suffix = prompts.question_suffix(q, range(len(q.options)), answered)
-    head = IMAGE * images
+    head = IMAGE * images  # the projector's markers stay control text
     if text is None:
-        return head + suffix
-    return head + text + "\n\n" + suffix
+        return head + literal(suffix)
+    return head + literal(text + "\n\n" + suffix)
 
 
 def render(instructions: str | None, state: str, q: Question, answered=(), images: int = 0) -> str:
     out = BOS
     if instructions:
-        out += f"<|im_start|>system\n{instructions}<|im_end|>\n"
+        out += f"<|im_start|>system\n{literal(instructions)}<|im_end|>\n"
     out += f"<|im_start|>user\n{user_content(state, q, answered, images)}<|im_end|>\n<|im_start|>assistant\n"
     return out
 

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..decisions.labels import LETTERS, check_label_tokens
+from ..decisions.literal import literal
 from ..decisions.types import Decision, Question, SlotRead, Thought
 from ..errors import InvalidRequest
 from .context import log_softmax
@@ -92,7 +93,9 @@ def serialize(state_text: str, q: Question, answered=()) -> str:
 
 def render(state_text: str, q: Question, answered=()) -> str:
     """The whole prompt text (specials parsed at tokenization; BOS added by the model's flag)."""
-    return f"{TURN_OPEN}user\n{serialize(state_text, q, answered)}{TURN_CLOSE}\n{TURN_OPEN}model\n"
+    # The content is caller text: tokenized as plain text (decisions/literal.py),
+    # so a state holding "<turn|>" cannot close the turn.
+    return f"{TURN_OPEN}user\n{literal(serialize(state_text, q, answered))}{TURN_CLOSE}\n{TURN_OPEN}model\n"
 
 
 class WinnowReader(NextTokenReader):
@@ -166,6 +169,16 @@ class WinnowReader(NextTokenReader):
         if not reads:
             return None
         return math.fsum(r.get(option, 0.0) for r in reads) / len(reads)
+
+    def diagnostics(self) -> dict:
+        """`diagnostics.winnow` of the decision just answered: the temperature and,
+        per question, each option's full-vocabulary probability averaged over its reads."""
+        full = {}
+        for qid, reads in self._full.items():
+            names = list(reads[0])
+            full[qid] = {n: math.fsum(r[n] for r in reads) / len(reads) for n in names}
+        return {"winnow": {"decision_temperature": self.temperature, "state_format": self.state_format,
+                           "full_probabilities": full}}
 
     def finish_answers(self, answers: dict) -> dict:
         """Set each answer's `confidence` to its winning label's full-vocabulary
