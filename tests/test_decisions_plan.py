@@ -67,7 +67,8 @@ def test_refund_read_in_second_stage_when_team_is_billing():
     # The second stage sees every earlier answer, team's as its top option.
     seen = {a.question.id: a.question.options[a.option] for a in last.answered}
     assert seen["team"] == "billing" and set(seen) == {"urgent", "team", "severity"}
-    assert response["diagnostics"]["conditioning"] == "prefill"
+    # A next-token read states earlier answers in its prompt; it prefills nothing.
+    assert response["diagnostics"]["conditioning"] == "prompt"
     assert len(reader.reads) == 2
 
 

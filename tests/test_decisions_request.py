@@ -157,9 +157,9 @@ INVALID = [
     pytest.param(top(think="Auto"), ValidationError, "think", ["think", "'Auto'"], id="think-Auto"),
     pytest.param(top(think="auto", think_threshold=0), ValidationError, "think_threshold", ["think_threshold", "(0, 1]"], id="think_threshold-0"),
     pytest.param(top(think="auto", think_threshold=1.0001), ValidationError, "think_threshold", ["think_threshold", "(0, 1]"], id="think_threshold-1.0001"),
-    pytest.param(top(think_threshold=-0.5), ValidationError, "think_threshold", ["think_threshold"], id="think_threshold-negative"),
-    pytest.param(top(think_threshold="high"), ValidationError, "think_threshold", ["think_threshold"], id="think_threshold-str"),
-    pytest.param(top(think_threshold=True), ValidationError, "think_threshold", ["think_threshold", "boolean"], id="think_threshold-bool"),
+    pytest.param(top(think="auto", think_threshold=-0.5), ValidationError, "think_threshold", ["think_threshold"], id="think_threshold-negative"),
+    pytest.param(top(think="auto", think_threshold="high"), ValidationError, "think_threshold", ["think_threshold"], id="think_threshold-str"),
+    pytest.param(top(think="auto", think_threshold=True), ValidationError, "think_threshold", ["think_threshold", "boolean"], id="think_threshold-bool"),
     pytest.param(top(think="auto", think_budget=0), ValidationError, "think_budget", ["think_budget", "1..4096"], id="think_budget-0"),
     pytest.param(top(think="auto", think_budget=4097), ValidationError, "think_budget", ["think_budget", "1..4096"], id="think_budget-4097"),
     pytest.param(top(think_budget="64"), ValidationError, "think_budget", ["think_budget", "integer"], id="think_budget-str"),
@@ -234,6 +234,9 @@ def test_server_defaults_for_think():
     # The request still overrides them.
     d = parse_decision(ticket_body(think=5, think_threshold=0.5), settings)
     assert (d.think, d.think_threshold) == (5, 0.5)
+    # Unused (think is not "auto"): a bad think_threshold is ignored with the warning, not refused.
+    d = parse_decision(ticket_body(think=5, think_threshold="high"), settings)
+    assert d.think_threshold == 0.6 and "think_threshold" in d.ignored
     assert d.ignored == ["think_threshold"]
 
 

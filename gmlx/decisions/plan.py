@@ -63,16 +63,26 @@ def make_plan(decision: Decision, settings: DecisionSettings) -> Plan:
     )
 
 
-def check_rows(decision: Decision, reader: Reader, settings: DecisionSettings) -> None:
-    """422 for a question whose own answer template is longer than the canvas."""
+def template_too_long(rows: int, canvas: int, qid: str | None = None) -> ValidationError:
+    """The one 422 for an answer template longer than the canvas."""
+    if qid is None:
+        return ValidationError(f"the answer template takes {rows} tokens, longer than the canvas ({canvas})")
+    return ValidationError(
+        f"question '{qid}': its answer template takes {rows} tokens, longer than the canvas ({canvas})",
+        param=f"questions.{qid}",
+    )
+
+
+def check_rows(decision: Decision, reader: Reader, settings: DecisionSettings | int) -> None:
+    """422 for a question whose own answer template is longer than the canvas
+    (`settings` or a canvas width). The one admission check of template
+    length: canvas readers call it from their own check too."""
+    canvas = settings if isinstance(settings, int) else settings.canvas
     asked = asked_questions(decision)
     for q in asked:
         rows = reader.template_rows((q,), len(asked))
-        if rows > settings.canvas:
-            raise ValidationError(
-                f"question '{q.id}': its answer template takes {rows} tokens, longer than the canvas ({settings.canvas})",
-                param=f"questions.{q.id}",
-            )
+        if rows > canvas:
+            raise template_too_long(rows, canvas, q.id)
 
 
 def chunk_stage(plan: Plan, questions: tuple[Question, ...], reader: Reader) -> list[tuple[Question, ...]]:
@@ -90,11 +100,8 @@ def chunk_stage(plan: Plan, questions: tuple[Question, ...], reader: Reader) -> 
     current: list[Question] = []
     for q in questions:
         own = reader.template_rows((q,), plan.total)
-        if own > plan.canvas:
-            raise ValidationError(
-                f"question '{q.id}': its answer template takes {own} tokens, longer than the canvas ({plan.canvas})",
-                param=f"questions.{q.id}",
-            )
+        if own > plan.canvas:  # admission (check_rows) refuses this first
+            raise template_too_long(own, plan.canvas, q.id)
         # A question over chunk_rows but within the canvas is still read, alone.
         if q.alone or own > plan.rows_limit:
             if current:

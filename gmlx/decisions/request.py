@@ -11,7 +11,7 @@ import dataclasses
 import json
 from typing import Any
 
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, ValidationError
 from .fields import describe, fail, is_int, is_number, want_bool, want_int, want_str
 from .questions import parse_questions
 from .types import Decision, DecisionSettings, Question
@@ -56,7 +56,9 @@ def parse_decision(body: Any, settings: DecisionSettings) -> Decision:
         auto_threshold=_auto_threshold(given.get("auto_threshold", _DEFAULT["auto_threshold"])),
         steps=_steps(given.get("steps", _DEFAULT["steps"])),
         think=think,
-        think_threshold=_think_threshold(given.get("think_threshold", settings.think_threshold)),
+        # Used (and so checked) only by think "auto"; otherwise ignored with the warning below.
+        think_threshold=_unused_ok(_think_threshold, given.get("think_threshold", settings.think_threshold),
+                                   think == "auto", settings.think_threshold),
         think_budget=_think_budget(given.get("think_budget", settings.think_budget)),
         ask=_ask(given.get("ask"), questions),
         chunk_rows=_chunk_rows(given.get("chunk_rows")),
@@ -88,6 +90,17 @@ def _state(body: dict) -> str:
         return state
     # Non-string states reach the model as JSON text with their characters kept.
     return json.dumps(state, ensure_ascii=False)
+
+
+def _unused_ok(parse, value: Any, used: bool, default: Any) -> Any:
+    """A field that only matters in some modes: checked when used; when unused a
+    bad value is ignored (the body is warned about it) rather than refused."""
+    if used:
+        return parse(value)
+    try:
+        return parse(value)
+    except ValidationError:
+        return default
 
 
 def _calibrate(value: Any) -> str | None:

@@ -157,7 +157,10 @@ def _diagnostics(decision, reader, plan, run: Pass, thought, think_auto, passes)
         "skipped": run.skipped,
         "chunk_prompt": plan.chunk_prompt,
         "sequential": decision.sequential,
-        "conditioning": "prefill" if run.conditioned else None,
+        # How later reads saw earlier answers: canvas reads write them into the
+        # reply before the canvas ("prefill"); next-token reads state them in
+        # the user message ("prompt").
+        "conditioning": (("prefill" if reader.strategy == "canvas" else "prompt") if run.conditioned else None),
         "steps": decision.steps,
         "thought": _thought(thought),
         "samples": samples,

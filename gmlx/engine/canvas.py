@@ -79,7 +79,7 @@ import llama_cpp
 import numpy as np
 
 from ..decisions import canvas_text as text
-from ..decisions.plan import asked_questions, stages_of
+from ..decisions.plan import asked_questions, check_rows, stages_of, template_too_long
 from ..decisions.types import Answered, Decision, Question, Read, ReadResult, SlotRead, Thought
 from ..errors import InvalidRequest, ServerError, ValidationError
 from . import denoise
@@ -314,13 +314,7 @@ class CanvasReader:
         if is_compact:
             self._slots(asked, is_compact, True)
         # 422: a question whose own template does not fit the served canvas.
-        for q in asked:
-            rows = self.template_rows((q,), total)
-            if rows > self.canvas:
-                raise ValidationError(
-                    f"question '{q.id}': its answer template takes {rows} tokens, longer than the canvas ({self.canvas})",
-                    param=f"questions.{q.id}",
-                )
+        check_rows(decision, self, self.canvas)
         # 400: the largest forward the decision can build must fit one ubatch.
         need, prompt = self.largest_forward(decision)
         if self.dg and self.fixed_width and self.fixed_width >= self.limit:
@@ -456,8 +450,8 @@ class CanvasReader:
         return out
 
     def _width(self, rows: int) -> int:
-        if rows > self.canvas:
-            raise ValidationError(f"the answer template takes {rows} tokens, longer than the canvas ({self.canvas})")
+        if rows > self.canvas:  # checked at admission; a guard for direct reads
+            raise template_too_long(rows, self.canvas)
         return self.fixed_width or min(self.canvas, ceil_to(rows))
 
     def template(self, questions: Sequence[Question], total: int, continued: bool = False) -> Template:

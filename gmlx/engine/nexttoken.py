@@ -21,6 +21,7 @@ import numpy as np
 from ..decisions import prompts
 from ..decisions.labels import check_label_tokens
 from ..decisions.literal import literal
+from ..decisions.plan import asked_questions
 from ..decisions.types import Decision, Question, Read, ReadResult, SlotRead, Thought
 from ..errors import InvalidRequest, ValidationError
 from .context import Context, Entry, log_softmax
@@ -124,7 +125,8 @@ class NextTokenReader:
         return self._label_ids[label]
 
     def check(self, decision: Decision) -> None:
-        check_label_tokens(decision.questions, self.label_token)
+        # Only what may be asked: a question outside `ask` is never read.
+        check_label_tokens(asked_questions(decision), self.label_token)
         n_ctx = self.ctx.n_ctx
         # Every prompt holds the whole state: a state that alone overflows the
         # context is refused after one tokenization, not one per question.
@@ -164,7 +166,7 @@ class NextTokenReader:
         think = think if self.can_think else 0
         by_id = {q.id: q for q in decision.questions}
         worst = 0
-        for q in decision.questions:
+        for q in asked_questions(decision):
             answered = tuple(
                 Answered(o, max(range(len(o.options)), key=lambda i, o=o: len(o.options[i])))
                 for o in (by_id[d] for d in q.depends_on if d in by_id)
