@@ -278,8 +278,10 @@ def test_label_not_one_token_is_422(tiny_gguf_dir):
         with pytest.raises(ValidationError) as err:
             r.check(d)
         assert "urgent" in err.value.message and "yes" in err.value.message
-        # A decision with no noul passes the same check.
+        # A decision with no noul passes the same check, and so does one whose
+        # noul is never asked (`ask` leaves it out): only what may be asked is checked.
         r.check(_decision({"state": "x", "questions": {"t": ticket_body()["questions"]["team"]}}))
+        r.check(_decision({**ticket_body(), "ask": ["team"]}))
     finally:
         r.close()
         lm.close()
