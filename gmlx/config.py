@@ -311,7 +311,32 @@ def parse_config(data: Any, base_dir: Path | None = None) -> Config:
     except ValidationError as err:
         raise ConfigError(_one_line(err)) from None
     cfg.base_dir = base_dir
+    _check_strategies(cfg)
     return cfg
+
+
+def _check_strategies(cfg: Config) -> None:
+    """An explicit `read_strategy` the model's architecture cannot serve is a
+    config error naming both, when the file is there to say (read from the GGUF
+    header; a missing file is the 404 of SPEC 2 later)."""
+    from .engine.chat import ARCH_BUILTIN
+    from .engine.gguf_info import read_info, strategy_problem
+
+    for mid, m in cfg.models.items():
+        if m.read_strategy in (None, "auto") or m.package:
+            continue
+        path = cfg.model_path(mid)
+        if not path.is_file():
+            continue
+        try:
+            info = read_info(path)
+        except ValueError:
+            continue  # the load reports an unreadable file
+        problem = strategy_problem(m.read_strategy, info.architecture, False,
+                                   bool(m.chat_template) or info.has_chat_template
+                                   or info.architecture in ARCH_BUILTIN)
+        if problem:
+            raise ConfigError(f"models.{mid}.read_strategy: {problem}")
 
 
 def load_config(path: str | os.PathLike) -> Config:

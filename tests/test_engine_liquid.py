@@ -130,7 +130,7 @@ def test_liquid_single_letter_labels(lfm2):
     lfm2.reset()
     slots = lfm2.read(_read(d)).slots
     toks = lfm2._prompt(_read(d), d.questions[0]).tokens
-    assert list(slots["p"].logprobs) == pytest.approx(_alone(lfm2, toks, ["C", "A", "B"]), abs=1e-4)
+    assert list(slots["p"].logprobs) == pytest.approx(_alone(lfm2, toks, ["C", "A", "B"]), abs=2e-3)
 
 
 def test_liquid_instructions_are_a_system_turn(lfm2):
@@ -151,7 +151,7 @@ def test_liquid_shared_prefix_equals_alone(lfm2):
     shared = lfm2.read(_read(d)).slots
     for q in d.questions:
         toks = lfm2._prompt(_read(d), q).tokens
-        assert list(shared[q.id].logprobs) == pytest.approx(_alone(lfm2, toks, liquid_labels(q)), abs=1e-4)
+        assert list(shared[q.id].logprobs) == pytest.approx(_alone(lfm2, toks, liquid_labels(q)), abs=2e-3)
 
 
 def test_liquid_deterministic(lfm2):
@@ -191,7 +191,7 @@ def test_qwen35_shared_prefix_equals_alone(qwen35):
     shared = qwen35.read(_read(d)).slots
     for q in d.questions:
         toks = qwen35._prompt(_read(d), q).tokens
-        assert list(shared[q.id].logprobs) == pytest.approx(_alone(qwen35, toks, q.labels), abs=1e-4)
+        assert list(shared[q.id].logprobs) == pytest.approx(_alone(qwen35, toks, q.labels), abs=2e-3)
 
 
 def test_qwen35_deterministic_and_prefix_reused_across_decisions(qwen35):

@@ -20,6 +20,28 @@ LIQUID_ARCHS = frozenset({"lfm2", "lfm2moe"})
 RECURRENT_ARCHS = frozenset({"qwen35", "qwen35moe", "qwen3next", "lfm2", "lfm2moe"})
 
 
+def strategy_problem(requested: str | None, arch: str, is_diffusion: bool, has_template: bool) -> str | None:
+    """Why an explicit `read_strategy` cannot serve a model of `arch` (None: it can)."""
+    if requested in (None, "auto"):
+        return None
+    diffusion = is_diffusion or arch in DIFFUSION_ARCHS
+    ok = {
+        "canvas": diffusion,
+        "next-token": not diffusion and has_template,
+        "winnow": arch in WINNOW_ARCHS,
+        "liquid": arch in LIQUID_ARCHS,
+    }.get(requested)
+    if ok:
+        return None
+    need = {
+        "canvas": f"a diffusion architecture ({', '.join(sorted(DIFFUSION_ARCHS))})",
+        "next-token": "an autoregressive model with a chat template",
+        "winnow": f"architecture {' or '.join(sorted(WINNOW_ARCHS))}",
+        "liquid": f"architecture {' or '.join(sorted(LIQUID_ARCHS))}",
+    }.get(requested, "auto, next-token, canvas, winnow or liquid")
+    return f"read_strategy {requested!r} cannot serve architecture {arch!r} (it needs {need})"
+
+
 @dataclass(frozen=True)
 class GGUFInfo:
     path: Path

@@ -17,7 +17,7 @@ import llama_cpp
 from ..decisions.literal import segments as literal_segments
 from ..errors import ModelFileMissing, ModelLoadError
 from .chat import ChatTemplate, choose_template
-from .gguf_info import DIFFUSION_ARCHS, LIQUID_ARCHS, WINNOW_ARCHS, llama_supports_arch, read_info, unsupported_note
+from .gguf_info import DIFFUSION_ARCHS, llama_supports_arch, read_info, strategy_problem, unsupported_note
 
 log = logging.getLogger("gmlx.engine")
 
@@ -279,25 +279,12 @@ def resolve_strategy(requested: str | None, arch: str, is_diffusion: bool, has_t
     """The config's `read_strategy` for a model of `arch`: `auto` is SPEC 3's
     choice by architecture; an explicit strategy the architecture cannot serve
     raises ValueError naming both."""
-    auto = strategy_for(arch, is_diffusion, has_template)
+    problem = strategy_problem(requested, arch, is_diffusion, has_template)
+    if problem:
+        raise ValueError(problem)
     if requested in (None, "auto"):
-        return auto
-    diffusion = is_diffusion or arch in DIFFUSION_ARCHS
-    ok = {
-        "canvas": diffusion,
-        "next-token": not diffusion and has_template,
-        "winnow": arch in WINNOW_ARCHS,
-        "liquid": arch in LIQUID_ARCHS,
-    }.get(requested)
-    if ok:
-        return requested
-    need = {
-        "canvas": f"a diffusion architecture ({', '.join(sorted(DIFFUSION_ARCHS))})",
-        "next-token": "an autoregressive model with a chat template",
-        "winnow": f"architecture {' or '.join(sorted(WINNOW_ARCHS))}",
-        "liquid": f"architecture {' or '.join(sorted(LIQUID_ARCHS))}",
-    }.get(requested, f"one of {', '.join(STRATEGIES)}")
-    raise ValueError(f"read_strategy {requested!r} cannot serve architecture {arch!r} (it needs {need})")
+        return strategy_for(arch, is_diffusion, has_template)
+    return requested
 
 
 def load_model(model_id: str, path: Path, settings: dict[str, Any], isolate_vocab: bool = False) -> LoadedModel:
