@@ -43,7 +43,7 @@ class LoadSettings(_Strict):
     main_gpu: int | None = Field(None, ge=0)
     split_mode: SplitMode | None = None
     tensor_split: list[float] | None = None
-    flash_attn: bool | None = None
+    flash_attn: bool | Literal["auto"] | None = None
     use_mmap: bool | None = None
     use_mlock: bool | None = None
     rpc_servers: list[str] | None = None
@@ -86,7 +86,7 @@ LOAD_DEFAULTS: dict[str, Any] = {
     "main_gpu": 0,
     "split_mode": "layer",
     "tensor_split": None,
-    "flash_attn": False,
+    "flash_attn": "auto",
     "use_mmap": True,
     "use_mlock": False,
     "rpc_servers": None,

@@ -96,3 +96,21 @@ def test_decision_answers_do_not_depend_on_other_questions(gemma_path):
     finally:
         reader.close()
         lm.close()
+
+
+def test_flash_attention_auto_is_off_for_invariant_reads(gemma_path):
+    """flash_attn defaults to auto (llama.cpp's default); batch-invariant reads
+    resolve auto to off because flash attention tiles queries by count."""
+    from gmlx.engine.nexttoken import NextTokenReader
+
+    assert LOAD_DEFAULTS["flash_attn"] == "auto"
+    lm = load_model("gemma-fa", gemma_path, _settings(n_ctx=1024, n_threads=None))
+    try:
+        for over, want in [({}, False), ({"batch_invariant": False}, "auto"), ({"flash_attn": True}, True)]:
+            r = NextTokenReader(lm, _settings(n_ctx=1024, n_threads=None, **over))
+            try:
+                assert r._flash_attn(_settings(**over)) == want
+            finally:
+                r.close()
+    finally:
+        lm.close()

@@ -200,7 +200,7 @@ class CanvasReader:
             n_ubatch=ubatch,
             n_seq_max=min(2 * self.parallel, 256),
             n_threads=settings.get("n_threads"),
-            flash_attn=bool(settings.get("flash_attn")),
+            flash_attn=settings.get("flash_attn", "auto"),
         )
         # Tokens one forward may take (llama.cpp aborts the process above n_ubatch).
         self.limit = min(self.ctx.n_ctx, self.ctx.max_tokens) // ALIGN * ALIGN

@@ -18,6 +18,9 @@ from ..errors import ServerError
 from .model import LoadedModel
 
 
+_FLASH = {True: 1, False: 0, "auto": -1, None: -1}
+
+
 @dataclass(frozen=True)
 class Entry:
     token: int
@@ -36,7 +39,7 @@ class Context:
         n_ubatch: int,
         n_seq_max: int = 1,
         n_threads: int | None = None,
-        flash_attn: bool = False,
+        flash_attn: bool | str | None = "auto",
         unified: bool = True,
     ):
         self.lm = lm
@@ -53,9 +56,10 @@ class Context:
             cp.n_threads = n_threads
             cp.n_threads_batch = n_threads
         if hasattr(cp, "flash_attn_type"):
-            cp.flash_attn_type = 1 if flash_attn else 0
+            # "auto" (llama.cpp's default): on where the backend supports it for this model.
+            cp.flash_attn_type = _FLASH[flash_attn if flash_attn in _FLASH else "auto"]
         elif hasattr(cp, "flash_attn"):
-            cp.flash_attn = flash_attn
+            cp.flash_attn = flash_attn is True
         cp.no_perf = True
         ctx = llama_cpp.llama_init_from_model(lm.model, cp)
         if not ctx:

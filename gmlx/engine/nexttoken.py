@@ -64,7 +64,7 @@ class NextTokenReader:
             n_ubatch=min(n_ubatch, n_batch),
             n_seq_max=self.parallel + 1,
             n_threads=settings.get("n_threads"),
-            flash_attn=bool(settings.get("flash_attn")),
+            flash_attn=self._flash_attn(settings),
         )
         self.template = lm.chat_template
         self.think_open = lm.token_id(THINK_OPEN)
@@ -90,6 +90,16 @@ class NextTokenReader:
         self._saved_bytes = 0
         self._first_hold = True
         self._reused = 0  # tokens this decision took from an earlier one
+
+    def _flash_attn(self, settings: dict[str, Any]) -> bool | str:
+        """`auto` is llama.cpp's choice, except for batch-invariant reads: on
+        CPU, flash attention tiles a decode's queries by how many there are, so
+        a tail evaluated alone no longer rounds like the same tokens inside a
+        longer prompt (measured: docs/reads.md). Explicit true/false is kept."""
+        fa = settings.get("flash_attn", "auto")
+        if fa in ("auto", None) and self.batch_invariant:
+            return False
+        return fa
 
     # -- protocol ----------------------------------------------------------
     def reset(self) -> None:
