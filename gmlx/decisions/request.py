@@ -20,7 +20,7 @@ KNOWN_FIELDS = (
     "model", "profile", "state", "questions", "instructions", "seed", "samples", "auto_max",
     "auto_threshold", "steps", "think", "think_threshold", "think_budget", "ask", "chunk_rows",
     "chunk_prompt", "sequential", "chat_template_kwargs", "cache_salt", "images",
-    "calibrate",
+    "calibrate", "audio", "videos",
 )  # fmt: skip
 REQUIRED_FIELDS = ("state", "questions")
 MIN_STEPS, MAX_STEPS = 1, 8
@@ -36,7 +36,7 @@ RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "bos_token", "e
 def parse_decision(body: Any, settings: DecisionSettings) -> Decision:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    _check_images(body.get("images"))
+    _check_images(body.get("images"), body)
 
     state = _state(body)
     questions = parse_questions(body.get("questions"), settings.max_questions)
@@ -75,11 +75,12 @@ def parse_decision(body: Any, settings: DecisionSettings) -> Decision:
     return decision
 
 
-def _check_images(images: Any) -> None:
-    # Text-only models: any image is refused, an empty container is harmless.
-    if images is None or (isinstance(images, (list, dict, str)) and not images):
-        return
-    raise InvalidRequest("images are not supported: the served models read text only", param="images")
+def _check_images(images: Any, body: dict | None = None) -> None:
+    # Media (gmlx/engine/media.py): audio/videos 400; images checked (400/413),
+    # then refused until a projector reads them; an empty container is harmless.
+    from ..engine.media import check_request_media
+
+    check_request_media({**(body or {}), "images": images})
 
 
 def _state(body: dict) -> str:
