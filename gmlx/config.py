@@ -43,7 +43,7 @@ class LoadSettings(_Strict):
     main_gpu: int | None = Field(None, ge=0)
     split_mode: SplitMode | None = None
     tensor_split: list[float] | None = None
-    flash_attn: bool | Literal["auto"] | None = None
+    flash_attn: Literal[True, False, "auto"] | None = None
     use_mmap: bool | None = None
     use_mlock: bool | None = None
     rpc_servers: list[str] | None = None
