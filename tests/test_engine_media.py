@@ -11,11 +11,15 @@ import httpx
 import pytest
 from PIL import Image
 from server_harness import assert_error, start
-from tiny_gguf_more import build_lfm2
+from tiny_gguf_more import build_lfm2, build_mmproj
 
 from gmlx.decisions.fake import ticket_body
+from gmlx.config import LOAD_DEFAULTS
 from gmlx.decisions.request import parse_decision
-from gmlx.decisions.types import DecisionSettings
+from gmlx.decisions.run import admit, decide
+from gmlx.decisions.types import DecisionSettings, Read
+from gmlx.engine import open_reader
+from gmlx.engine.model import load_model
 from gmlx.engine.media import MediaLimits, check_other_media, decode_image, decode_images, shrink
 from gmlx.errors import InvalidRequest, RequestTooLarge
 
@@ -83,11 +87,10 @@ def test_liquid_shrink_keeps_aspect():
     assert shrink(small) is small
 
 
-def test_parse_decision_refuses_images_until_a_projector_reads_them():
+def test_parse_decision_decodes_images_onto_the_decision():
     body = {"state": "s", "questions": {"q": {"type": "noul"}}}
-    with pytest.raises(InvalidRequest) as e:
-        parse_decision({**body, "images": [_data_url()]}, DecisionSettings())
-    assert e.value.param == "images" and "mmproj" in str(e.value)
+    d = parse_decision({**body, "images": [_data_url(), _data_url("JPEG")]}, DecisionSettings())
+    assert [im.size for im in d.images] == [(8, 6), (8, 6)]
     with pytest.raises(InvalidRequest) as e:
         parse_decision({**body, "videos": ["x"]}, DecisionSettings())
     assert e.value.param == "videos"
@@ -95,12 +98,127 @@ def test_parse_decision_refuses_images_until_a_projector_reads_them():
     assert d.ignored == []
 
 
+# -- reading images through libmtmd (tiny lfm2 + tiny mlp projector) ---------------
+
+QS = {"u": {"type": "noul", "instructions": "Is it red?"},
+      "t": {"type": "choice", "instructions": "Which?", "criteria": {"A": None, "B": None}}}
+SETTINGS = DecisionSettings()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("media_models")
+    return build_lfm2(d / "lfm2.gguf"), build_mmproj(d / "mmproj.gguf")
+
+
+def _load(path, **over):
+    s = {**LOAD_DEFAULTS, "n_gpu_layers": 0, "n_ctx": 2048, "n_threads": 1, "read_strategy": "liquid", **over}
+    lm = load_model("d1", path, s)
+    return lm, open_reader(lm, s)
+
+
+@pytest.fixture(scope="module")
+def d1(files):
+    lm, r = _load(files[0], mmproj="mmproj.gguf")  # relative to the model's directory
+    yield r
+    r.close()
+    lm.close()
+
+
+def _decide(reader, images, state="ticket"):
+    d = parse_decision({"state": state, "questions": QS, "images": images}, SETTINGS)
+    admit(d, reader, SETTINGS)
+    return decide(d, reader, SETTINGS, "d1")
+
+
+def test_projector_loaded(d1):
+    assert d1.reads_images and d1.projector is not None
+
+
+def test_images_change_the_read_and_count_in_usage(d1):
+    plain = _decide(d1, [])
+    red = _decide(d1, [_data_url(color=(255, 0, 0))])
+    blue = _decide(d1, [_data_url(color=(0, 0, 255))])
+    assert red["usage"]["input_tokens"] == plain["usage"]["input_tokens"] + 16  # 16 image tokens
+    two = _decide(d1, [_data_url(color=(255, 0, 0)), _data_url(color=(0, 0, 255))])
+    assert two["usage"]["input_tokens"] == plain["usage"]["input_tokens"] + 32
+    assert red["answers"]["u"]["noul"] != plain["answers"]["u"]["noul"]
+    assert red["answers"]["u"]["noul"] != blue["answers"]["u"]["noul"]
+    again = _decide(d1, [_data_url(color=(255, 0, 0))])
+    assert again["answers"] == red["answers"]  # deterministic
+
+
+def test_image_tokens_come_before_the_state(d1):
+    d = parse_decision({"state": "ticket", "questions": QS, "images": [_data_url()]}, SETTINGS)
+    admit(d, d1, SETTINGS)
+    d1.reset()
+    read = Read(state=d.state, instructions=None, questions=d.questions, listed=d.questions, answered=(),
+                sample=0, seed=0)
+    d1.read(read)
+    head = d1.lm.encode_prompt("<|startoftext|><|im_start|>user\n")
+    toks = d1._prompt(read, d.questions[0]).tokens
+    assert toks[:len(head)] == head
+    # the images took positions len(head) .. len(head)+15; the state's tokens start right after
+    assert d1._media_pos == len(head) + 16
+    assert d1.lm.decode(toks[len(head):len(head) + 2]).startswith("ti")
+    d1.reset()
+
+
+def test_large_images_are_shrunk_to_1024(d1):
+    d = parse_decision({"state": "s", "questions": QS, "images": [_data_url(size=(2048, 1024))]}, SETTINGS)
+    admit(d, d1, SETTINGS)
+    (im,) = d1._registry.get(d.state)
+    assert im.size == (1024, 512)
+
+
+def test_a_model_without_projector_refuses_images(files):
+    lm, r = _load(files[0])
+    try:
+        d = parse_decision({"state": "s", "questions": QS, "images": [_data_url()]}, SETTINGS)
+        with pytest.raises(InvalidRequest) as e:
+            admit(d, r, SETTINGS)
+        assert e.value.param == "images" and "mmproj" in str(e.value)
+    finally:
+        r.close()
+        lm.close()
+
+
+def test_other_strategies_refuse_images(files, tmp_path):
+    from tiny_gguf_more import build_qwen35
+
+    lm = load_model("q", build_qwen35(tmp_path / "q.gguf"), {**LOAD_DEFAULTS, "n_gpu_layers": 0, "n_ctx": 1024})
+    r = open_reader(lm, {**LOAD_DEFAULTS, "n_ctx": 1024})
+    try:
+        d = parse_decision({"state": "s", "questions": QS, "images": [_data_url()]}, SETTINGS)
+        with pytest.raises(InvalidRequest) as e:
+            admit(d, r, SETTINGS)
+        assert e.value.param == "images" and "'q' (next-token) has none" in str(e.value)
+    finally:
+        r.close()
+        lm.close()
+
+
+def test_missing_projector_file_fails_the_load(files):
+    from gmlx.errors import ModelLoadError
+
+    lm = load_model("d1", files[0], {**LOAD_DEFAULTS, "n_gpu_layers": 0, "read_strategy": "liquid"})
+    try:
+        with pytest.raises(ModelLoadError) as e:
+            open_reader(lm, {**LOAD_DEFAULTS, "n_ctx": 1024, "read_strategy": "liquid", "mmproj": "nope.gguf"})
+        assert "nope.gguf is missing" in str(e.value)
+    finally:
+        lm.close()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("server_media")
     lf = build_lfm2(d / "lfm2.gguf")
-    s = start(d, {"models": {"d1": {"path": str(lf), "n_ctx": 2048, "n_threads": 1, "read_strategy": "liquid"}},
-                  "server": {"max_body_bytes": 20 * 1024 * 1024}})
+    build_mmproj(d / "mmproj.gguf")
+    s = start(d, {"models": {"d1": {"path": str(lf), "n_ctx": 2048, "n_threads": 1, "read_strategy": "liquid",
+                                    "mmproj": "mmproj.gguf"},
+                             "plain": {"path": str(lf), "n_ctx": 2048, "n_threads": 1, "read_strategy": "liquid"}},
+                  "server": {"max_body_bytes": 20 * 1024 * 1024, "systemone": {"model": "d1"}}})
     yield s
     s.stop()
 
@@ -109,7 +227,11 @@ def server(tmp_path_factory):
 def test_server_media_errors(server, path):
     ok = httpx.post(server.url + path, json=ticket_body(), timeout=60)
     assert ok.status_code == 200, ok.text
-    r = server.post(ticket_body(images=[_data_url()]), path=path)
+    img = httpx.post(server.url + path, json=ticket_body(images=[_data_url()]), timeout=60)
+    assert img.status_code == 200, img.text
+    assert img.json()["usage"]["input_tokens"] == ok.json()["usage"]["input_tokens"] + 16
+    assert img.json()["diagnostics"]["strategy"] == "liquid"
+    r = server.post(ticket_body(model="plain", images=[_data_url()]), path=path)
     assert "mmproj" in assert_error(r, 400, "invalid_request_error", "images")["message"]
     r = server.post(ticket_body(images=["data:image/png;base64,@@"]), path=path)
     assert_error(r, 400, "invalid_request_error", "images")

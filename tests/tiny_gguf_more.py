@@ -277,3 +277,55 @@ def build_gemma4(path, seed: int = 0, **kw) -> Path:
 
 def build_lfm2(path, seed: int = 0, **kw) -> Path:
     return build_more(path, "lfm2", seed, **kw)
+
+
+def build_mmproj(path: str | os.PathLike[str], n_embd_text: int = 64, seed: int = 0, image_size: int = 32,
+                 patch_size: int = 8) -> Path:
+    """A tiny llava-style ("mlp") projector that llama.cpp's bundled clip loader
+    accepts: a one-block ViT (width 32, 2 heads) over 8x8 patches of a 32x32
+    image, then mm.0 (32 -> out) GELU mm.2 (out -> out), out = the text model's
+    n_embd. Tensors (ggml order): v.patch_embd [P,P,3,E], v.position_embd [E,16],
+    v.blk.0.{attn_q,attn_k,attn_v,attn_out} [E,E] + biases, ln1/ln2 weight+bias,
+    ffn_up [E,F] + bias, ffn_down [F,E] + bias, v.post_ln, mm.0, mm.2 (+ biases).
+    One image is (32/8)^2 = 16 embedding tokens."""
+    E, F, OUT = 32, 64, n_embd_text
+    npos = (image_size // patch_size) ** 2
+    rng = np.random.default_rng(seed)
+    shapes = {
+        "v.patch_embd.weight": [patch_size, patch_size, 3, E], "v.position_embd.weight": [E, npos],
+        "v.blk.0.attn_q.weight": [E, E], "v.blk.0.attn_q.bias": [E], "v.blk.0.attn_k.weight": [E, E],
+        "v.blk.0.attn_k.bias": [E], "v.blk.0.attn_v.weight": [E, E], "v.blk.0.attn_v.bias": [E],
+        "v.blk.0.attn_out.weight": [E, E], "v.blk.0.attn_out.bias": [E],
+        "v.blk.0.ln1.weight": [E], "v.blk.0.ln1.bias": [E], "v.blk.0.ln2.weight": [E], "v.blk.0.ln2.bias": [E],
+        "v.blk.0.ffn_up.weight": [E, F], "v.blk.0.ffn_up.bias": [F], "v.blk.0.ffn_down.weight": [F, E],
+        "v.blk.0.ffn_down.bias": [E], "v.post_ln.weight": [E], "v.post_ln.bias": [E],
+        "mm.0.weight": [E, OUT], "mm.0.bias": [OUT], "mm.2.weight": [OUT, OUT], "mm.2.bias": [OUT],
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    w = gguf.GGUFWriter(str(tmp), "clip")
+    w.add_string("clip.projector_type", "mlp")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_bool("clip.use_gelu", True)
+    w.add_uint32("general.file_type", 0)
+    for k, v in {"image_size": image_size, "patch_size": patch_size, "embedding_length": E,
+                 "feed_forward_length": F, "block_count": 1, "attention.head_count": 2,
+                 "projection_dim": OUT}.items():
+        w.add_uint32(f"clip.vision.{k}", v)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    for name, shape in shapes.items():
+        numpy_shape = tuple(reversed(shape))
+        if name.endswith(("ln1.weight", "ln2.weight", "post_ln.weight")):
+            arr = np.ones(numpy_shape, dtype=np.float32)
+        else:
+            arr = (rng.standard_normal(numpy_shape) * (0.3 if name.startswith("mm.") else 0.05)).astype(np.float32)
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, path)
+    return path

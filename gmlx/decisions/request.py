@@ -36,7 +36,7 @@ RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "bos_token", "e
 def parse_decision(body: Any, settings: DecisionSettings) -> Decision:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    _check_images(body.get("images"), body)
+    images = _check_images(body.get("images"), body)
 
     state = _state(body)
     questions = parse_questions(body.get("questions"), settings.max_questions)
@@ -69,18 +69,22 @@ def parse_decision(body: Any, settings: DecisionSettings) -> Decision:
         calibrate=_calibrate(given.get("calibrate")),
         given=frozenset(given),
     )
+    if images:
+        # Decoded images ride on the decision (engine/media.py); readers without
+        # a projector refuse them at admission.
+        decision.images = images
     decision.ignored = [k for k in body if k not in KNOWN_FIELDS]
     if think != "auto":
         decision.ignored += [k for k in ("think_threshold", "think_budget") if k in given]
     return decision
 
 
-def _check_images(images: Any, body: dict | None = None) -> None:
+def _check_images(images: Any, body: dict | None = None) -> tuple:
     # Media (gmlx/engine/media.py): audio/videos 400; images checked (400/413),
     # then refused until a projector reads them; an empty container is harmless.
     from ..engine.media import check_request_media
 
-    check_request_media({**(body or {}), "images": images})
+    return check_request_media({**(body or {}), "images": images})
 
 
 def _state(body: dict) -> str:

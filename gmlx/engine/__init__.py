@@ -15,7 +15,29 @@ def _with_defaults(reader, lm, settings: dict[str, Any]):
     return reader
 
 
+def _refuse_images(reader, lm):
+    """A reader that cannot read images refuses a decision that has some
+    (400 at admission) instead of answering without them."""
+    if getattr(reader, "reads_images", False):
+        return reader
+    check = reader.check
+
+    def guarded(decision):
+        if getattr(decision, "images", None):
+            from .media import no_projector
+
+            raise no_projector(lm.model_id, lm.strategy)
+        return check(decision)
+
+    reader.check = guarded
+    return reader
+
+
 def open_reader(lm, settings: dict[str, Any], canvas: int = 64):
+    return _refuse_images(_open_reader(lm, settings, canvas), lm)
+
+
+def _open_reader(lm, settings: dict[str, Any], canvas: int = 64):
     """The Reader for a loaded model, by its strategy (SPEC 3). It owns a
     llama.cpp context: create it on the thread that will use it. `canvas` is
     the served canvas width (`server.systemone.canvas`) for canvas reads."""

@@ -8,10 +8,10 @@ unsupported image, too many images, or `audio` / `videos` (not supported);
 decoded with Pillow and converted to RGB; Liquid d1 shrinks them to fit
 1024 x 1024 (aspect kept).
 
-What this build does not do yet: read images through libmtmd
-(`llama_cpp.mtmd_cpp`). Every request whose images pass these checks still gets
-400 naming the missing projector support (`images_unsupported`), so nothing is
-read without its images.
+Images are read through libmtmd (`llama_cpp.mtmd_cpp`, `Projector` below) by
+the Liquid d1 reader of a model configured with `mmproj`; every other reader
+refuses a decision with images (400, `no_projector`), so nothing is read
+without its images.
 
 Imports no llama.cpp (the decision core calls it at parse time).
 """
@@ -140,16 +140,145 @@ def shrink(image, max_side: int = LIQUID_MAX_SIDE):
     return out
 
 
-def check_request_media(body: dict, limits: MediaLimits = MediaLimits()) -> None:
+def check_request_media(body: dict, limits: MediaLimits = MediaLimits()) -> tuple:
     """Admission of a body's media: audio/videos 400; images checked and
-    decoded (400/413), then 400 because no served model reads them yet."""
+    decoded (400/413). Returns the decoded images (a model without a projector
+    refuses them with 400 at its reader's check: `no_projector`)."""
     check_other_media(body)
     images = body.get("images")
     if images is None or (isinstance(images, (list, dict, str)) and not images):
-        return
-    decoded = decode_images(images, limits)
-    raise InvalidRequest(
-        f"{len(decoded)} image(s) given, but images need a model configured with an mmproj projector, and this "
-        "build of gmlx does not read images through libmtmd yet",
-        param="images",
-    )
+        return ()
+    return tuple(decode_images(images, limits))
+
+
+# -- libmtmd: the projector ------------------------------------------------------
+
+
+class Projector:
+    """A model's multimodal projector (`mmproj`), loaded through libmtmd.
+
+    `encode(image)` turns one RGB image into an mtmd image chunk; `eval_into`
+    evaluates such chunks into a llama.cpp context at given positions on one
+    sequence. Text is never tokenized through mtmd: gmlx's own tokenizer keeps
+    caller text plain (decisions/literal.py)."""
+
+    def __init__(self, lm, path, n_threads: int | None = None):
+        import llama_cpp.mtmd_cpp as mt
+
+        self.mt = mt
+        self.path = str(path)
+        params = mt.mtmd_context_params_default()
+        params.use_gpu = bool(lm.gpu_layers)
+        params.print_timings = False
+        if n_threads:
+            params.n_threads = int(n_threads)
+        if hasattr(params, "warmup"):
+            params.warmup = True
+        try:  # libmtmd's chatter goes where llama.cpp's does (debug log)
+            import ctypes
+
+            from .model import _llama_log
+
+            mt.mtmd_helper_log_set(_llama_log, ctypes.c_void_p(0))
+        except Exception:  # noqa: BLE001 - a binding without it: stderr it is
+            pass
+        self.ctx = mt.mtmd_init_from_file(self.path.encode(), lm.model, params)
+        if not self.ctx:
+            raise ValueError(f"libmtmd could not load the projector {self.path} for this model")
+        if not mt.mtmd_support_vision(self.ctx):
+            mt.mtmd_free(self.ctx)
+            self.ctx = None
+            raise ValueError(f"the projector {self.path} has no vision encoder")
+        self.marker = mt.mtmd_default_marker().decode()
+
+    def chunks(self, image):
+        """(chunks handle, [image chunk pointers], positions they take, tokens they count)."""
+        import ctypes
+
+        mt = self.mt
+        data = image.tobytes()
+        buf = (ctypes.c_ubyte * len(data)).from_buffer_copy(data)
+        bitmap = mt.mtmd_bitmap_init(image.width, image.height, buf)
+        chunks = mt.mtmd_input_chunks_init()
+        text = mt.mtmd_input_text()
+        raw = self.marker.encode()
+        text.text = raw
+        if hasattr(text, "text_len"):
+            text.text_len = len(raw)
+        text.add_special = False
+        text.parse_special = False
+        arr = (ctypes.c_void_p * 1)(bitmap)
+        rc = mt.mtmd_tokenize(self.ctx, chunks, ctypes.byref(text), arr, 1)
+        mt.mtmd_bitmap_free(bitmap)
+        if rc != 0:
+            mt.mtmd_input_chunks_free(chunks)
+            raise InvalidRequest(f"the projector could not process an image (mtmd_tokenize {rc})", param="images")
+        out, pos, toks = [], 0, 0
+        for i in range(mt.mtmd_input_chunks_size(chunks)):
+            c = mt.mtmd_input_chunks_get(chunks, i)
+            if mt.mtmd_input_chunk_get_type(c) == mt.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+                out.append(c)
+                pos += int(mt.mtmd_input_chunk_get_n_pos(c))
+                toks += int(mt.mtmd_input_chunk_get_n_tokens(c))
+        return chunks, out, pos, toks
+
+    def eval_into(self, context, chunk, n_past: int, seq: int) -> int:
+        """Evaluate one image chunk at n_past on `seq`; returns the next position."""
+        import ctypes
+
+        from ..errors import ServerError
+
+        if not 0 <= seq < context.n_seq_max:
+            raise ServerError(f"internal: sequence id {seq} outside 0..{context.n_seq_max - 1}")
+        n_tok = int(self.mt.mtmd_input_chunk_get_n_tokens(chunk))
+        # An image is decoded in slices of n_batch by the helper; a non-causal
+        # image must fit one ubatch or llama.cpp aborts.
+        if self.mt.mtmd_decode_use_non_causal(self.ctx, chunk) and n_tok > context.n_ubatch:
+            raise InvalidRequest(f"an image takes {n_tok} tokens, more than n_ubatch {context.n_ubatch}",
+                                 param="images")
+        new = ctypes.c_int(0)
+        rc = self.mt.mtmd_helper_eval_chunk_single(self.ctx, context.ctx, chunk, n_past, seq,
+                                                   int(context.n_batch), False, ctypes.byref(new))
+        if rc != 0:
+            raise ServerError(f"libmtmd failed to evaluate an image (code {rc})")
+        return int(new.value)
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            self.mt.mtmd_free(self.ctx)
+            self.ctx = None
+
+
+def no_projector(model_id: str, strategy: str | None) -> InvalidRequest:
+    return InvalidRequest(
+        f"images need a model configured with an mmproj projector read by the liquid strategy; model "
+        f"{model_id!r} ({strategy}) has none", param="images")
+
+
+class ImageRegistry:
+    """Decoded images of admitted decisions, found again from a read's state.
+
+    The decision core hands readers a Read (state, questions, ...), not the
+    request's images; a decision's reads carry its state object itself, so the
+    images are keyed by that object's identity (the object is kept alive with
+    them, so its id cannot be reused). Bounded: the oldest entries go first."""
+
+    def __init__(self, size: int = 256):
+        import threading
+        from collections import OrderedDict
+
+        self._items: "OrderedDict[int, tuple[str, tuple]]" = OrderedDict()
+        self._lock = threading.Lock()
+        self.size = size
+
+    def put(self, state: str, images: tuple) -> None:
+        with self._lock:
+            self._items[id(state)] = (state, images)
+            self._items.move_to_end(id(state))
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+    def get(self, state: str) -> tuple:
+        with self._lock:
+            item = self._items.get(id(state))
+        return item[1] if item is not None and item[0] is state else ()
