@@ -243,3 +243,20 @@ def test_server_media_errors(server, path):
     # nothing else affected
     again = httpx.post(server.url + path, json=ticket_body(), timeout=60)
     assert again.status_code == 200 and again.json()["answers"] == ok.json()["answers"]
+
+
+def test_server_media_limits_come_from_the_config(tmp_path):
+    from gmlx.config import parse_config
+    from gmlx.engine import media
+
+    saved = media.limits()
+    try:
+        media.configure(parse_config({"server": {"media": {"max_images": 1, "max_image_bytes": 2048}}}).server.media)
+        assert media.limits() == MediaLimits(max_images=1, max_image_bytes=2048)
+        with pytest.raises(InvalidRequest):
+            decode_images([_data_url(), _data_url()])
+        with pytest.raises(RequestTooLarge):
+            decode_images([_data_url(size=(400, 400), fmt="PNG", color=(1, 2, 3))[:22] +
+                           base64.b64encode(b"\0" * 4096).decode()])
+    finally:
+        media._limits = saved

@@ -41,6 +41,20 @@ class MediaLimits:
     fetch_timeout_s: float = 10.0
 
 
+_limits = MediaLimits()
+
+
+def configure(media) -> None:
+    """The server's `server.media` (gmlx.config.MediaConfig) for every later request."""
+    global _limits
+    _limits = MediaLimits(allow_urls=bool(media.allow_urls), max_images=int(media.max_images),
+                          max_image_bytes=int(media.max_image_bytes), fetch_timeout_s=float(media.fetch_timeout_s))
+
+
+def limits() -> MediaLimits:
+    return _limits
+
+
 def check_other_media(body: dict) -> None:
     """`audio` and `videos` are not read by any gmlx model: 400 saying what is."""
     for name in ("audio", "videos"):
@@ -50,8 +64,9 @@ def check_other_media(body: dict) -> None:
         raise InvalidRequest(f"{name} is not supported; supported media are {SUPPORTED}", param=name)
 
 
-def decode_images(images: Any, limits: MediaLimits = MediaLimits()) -> list:
+def decode_images(images: Any, limits: MediaLimits | None = None) -> list:
     """The request's images as RGB Pillow images, in order; raises 400 / 413."""
+    limits = limits or _limits
     if images is None:
         return []
     if not isinstance(images, list):
@@ -61,7 +76,8 @@ def decode_images(images: Any, limits: MediaLimits = MediaLimits()) -> list:
     return [decode_image(item, i, limits) for i, item in enumerate(images)]
 
 
-def decode_image(item: Any, index: int, limits: MediaLimits = MediaLimits()):
+def decode_image(item: Any, index: int, limits: MediaLimits | None = None):
+    limits = limits or _limits
     param = "images"  # the index is in the message
     if isinstance(item, dict):  # {"url": ...} / {"image_url": {"url": ...}} shapes
         inner = item.get("image_url", item)
@@ -140,7 +156,7 @@ def shrink(image, max_side: int = LIQUID_MAX_SIDE):
     return out
 
 
-def check_request_media(body: dict, limits: MediaLimits = MediaLimits()) -> tuple:
+def check_request_media(body: dict, limits: MediaLimits | None = None) -> tuple:
     """Admission of a body's media: audio/videos 400; images checked and
     decoded (400/413). Returns the decoded images (a model without a projector
     refuses them with 400 at its reader's check: `no_projector`)."""

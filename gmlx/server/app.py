@@ -85,6 +85,9 @@ def _summary(body: dict) -> str:
 
 
 def create_app(cfg: Config, preload: bool = False) -> FastAPI:
+    from ..engine.media import configure as configure_media
+
+    configure_media(cfg.server.media)  # limits for request images (engine/media.py)
     manager = ModelManager(cfg)
     stats = Stats()
     started = time.time()
