@@ -69,6 +69,15 @@ def test_openai_decisions_route(server, model):
     assert 0.0 <= out["answers"][0]["probability"] <= 1.0
 
 
+def test_winnow_temperature_and_full_probabilities(server):
+    a = _post(server, ticket_body(model="winnow"))
+    w = a["diagnostics"]["winnow"]
+    assert w["decision_temperature"] == 1.5 and w["state_format"] == "text"
+    team = w["full_probabilities"]["team"]
+    assert set(team) == {"billing", "infra", "product"}
+    assert sum(team.values()) == pytest.approx(a["diagnostics"]["questions"]["team"]["label_mass"], rel=1e-6)
+
+
 def test_winnow_json_state_and_its_400(server):
     a = _post(server, ticket_body(model="winnow-json"))
     b = _post(server, ticket_body(model="winnow-json", state='{ "ticket" : "I was charged twice for my March '

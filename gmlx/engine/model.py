@@ -287,6 +287,16 @@ def resolve_strategy(requested: str | None, arch: str, is_diffusion: bool, has_t
     return requested
 
 
+def configured_strategy(requested: str | None, arch: str, has_template: bool) -> str | None:
+    """What `gmlx models` shows for a model from its header: the configured
+    `read_strategy` when the architecture can serve it, else the automatic
+    choice (a mismatch is a config error at start-up, gmlx.config)."""
+    try:
+        return resolve_strategy(requested, arch, arch in DIFFUSION_ARCHS, has_template)
+    except ValueError:
+        return strategy_for(arch, False, has_template)
+
+
 def load_model(model_id: str, path: Path, settings: dict[str, Any], isolate_vocab: bool = False) -> LoadedModel:
     """Load a GGUF. Raises ModelFileMissing (404 later) or ModelLoadError.
 
