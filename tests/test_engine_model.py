@@ -7,6 +7,7 @@ import pytest
 import tiny_gguf
 from gmlx.config import LOAD_DEFAULTS
 from gmlx.engine import open_reader
+from gmlx.decisions.literal import strip_marks
 from gmlx.engine.chat import GEMMA, ChatTemplate
 from gmlx.engine.gguf_info import llama_supports_arch, read_info
 from gmlx.engine.model import load_model
@@ -44,7 +45,8 @@ def test_gemma_template_folds_system_text_into_the_user_turn(gemma):
     text = gemma.chat_template.render(
         [{"role": "system", "content": "Answer as a support lead."}, {"role": "user", "content": "Ticket"}]
     )
-    assert text == "<bos><start_of_turn>user\nAnswer as a support lead.\n\nTicket<end_of_turn>\n<start_of_turn>model\n"
+    # The caller's text is marked as plain text (decisions/literal.py); unmarked, it reads:
+    assert strip_marks(text) == "<bos><start_of_turn>user\nAnswer as a support lead.\n\nTicket<end_of_turn>\n<start_of_turn>model\n"
     toks = gemma.encode_prompt(text)
     assert toks[0] == 2 and toks.count(2) == 1  # BOS parsed once, not doubled
     assert 105 in toks and 106 in toks
@@ -59,11 +61,11 @@ def test_template_without_system_role_never_drops_system_text():
     t = ChatTemplate(dropping, "config")
     assert not t.has_system_role
     out = t.render([{"role": "system", "content": "SYS"}, {"role": "user", "content": "hello"}])
-    assert out == "<u>SYS\n\nhello</u><a>"
+    assert strip_marks(out) == "<u>SYS\n\nhello</u><a>"
     # One that raises on a system role is folded the same way.
     raising = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}{{ m['content'] }}{% endfor %}"
     t2 = ChatTemplate(raising, "config")
-    assert t2.render([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]) == "S\n\nU"
+    assert strip_marks(t2.render([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}])) == "S\n\nU"
     assert ChatTemplate(GEMMA, "builtin:gemma", "<bos>").has_system_role
 
 

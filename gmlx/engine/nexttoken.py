@@ -200,7 +200,13 @@ class NextTokenReader:
         evaluated, reused = self._evaluated, self._reused
         self._salt = read.cache_salt
         if todo:
-            rows = self._evaluate([p.tokens for p in todo.values()])
+            try:
+                rows = self._evaluate([p.tokens for p in todo.values()])
+            except BaseException:
+                # A failed decode may leave cells the reader no longer knows
+                # about: start the next read from an empty cache.
+                self._clear()
+                raise
             for (key, p), row in zip(todo.items(), rows):
                 self._slots[key] = self._slot(p, row)
         return ReadResult(
@@ -345,10 +351,12 @@ class NextTokenReader:
                 self._clear()
                 self._cached_salt = self._salt
             return
+        data = self._saved[best]  # before saving the resident one evicts it
         self._save_resident()
         self._clear()
-        if self.ctx.set_seq_state(self._saved[best], 0):
-            self._saved.move_to_end(best)
+        if self.ctx.set_seq_state(data, 0):
+            if best in self._saved:
+                self._saved.move_to_end(best)
             self._cached = list(best[1])
         else:  # llama.cpp refused the state: evaluate from scratch
             self._clear()
