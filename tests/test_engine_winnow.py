@@ -274,3 +274,19 @@ def test_config_names_strategy_and_architecture(path, tmp_path):
     with pytest.raises(ConfigError) as e:
         parse_config({"models": {"g": {"path": str(path), "decision_temperature": 0}}})
     assert "models.g.decision_temperature" in str(e.value)
+
+
+def test_decide_reports_the_full_vocabulary_confidence(lm):
+    """decide() hands the answers to the Winnow reader: each confidence is the
+    winning label's probability over the whole vocabulary, not the softmax
+    over the candidates."""
+    hot = open_reader(lm, _settings(decision_temperature=2.0))
+    try:
+        resp = decide(_decision({"state": "The card was charged twice.", "questions": QUESTIONS, "samples": 1}),
+                      hot, SETTINGS, "m")
+        full = resp["diagnostics"]["winnow"]["full_probabilities"]
+        team = resp["answers"]["team"]
+        assert team["confidence"] == pytest.approx(full["team"][team["choice"]], rel=1e-12)
+        assert team["confidence"] < max(team["probabilities"].values())  # mass left off the labels
+    finally:
+        hot.close()

@@ -105,6 +105,12 @@ def decide(
     passes = [final] if first is None or first is final else [first, final]
     diagnostics = _diagnostics(decision, reader, plan, final, thought, think_auto, passes)
     diagnostics["timing"]["total_ms"] = (time.perf_counter() - start) * 1000.0
+    answers_out = _answers(plan, final, settings)
+    # A strategy may define its own confidence (Winnow: the winning label's
+    # full-vocabulary probability); the engine says so through finish_answers.
+    finish = getattr(reader, "finish_answers", None)
+    if callable(finish):
+        answers_out = finish(answers_out)
     usage = {
         "input_tokens": max(p.prompt_tokens for p in passes),
         "output_tokens": sum(p.output_tokens for p in passes) + (thought.tokens if thought else 0),
@@ -119,7 +125,7 @@ def decide(
         "object": "structured_decision",
         "created": int(time.time()),
         "model": model_id,
-        "answers": _answers(plan, final, settings),
+        "answers": answers_out,
         "usage": usage,
         "diagnostics": diagnostics,
     }
