@@ -97,3 +97,52 @@ def test_memory_stays_within_the_limit(gemma_path):
     finally:
         r.close()
         lm.close()
+
+
+# -- through a real server: cache_salt (/v1/systemone), prompt_cache_key (/v1/decisions)
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, gemma_path):
+    from server_harness import start
+
+    d = tmp_path_factory.mktemp("server_cache")
+    s = start(d, {"models": {"gemma": {"path": str(gemma_path), "n_ctx": 2048}},
+                  "server": {"systemone": {"model": "gemma"}}})
+    yield s
+    s.stop()
+
+
+def test_cache_salt_on_the_systemone_route(server):
+    def post(questions, salt=None):
+        body = {"state": STATE_2, "questions": questions, "samples": 1}
+        if salt is not None:
+            body["cache_salt"] = salt
+        r = server.post(body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    post(SET_A, "x")
+    other = post(SET_B, "y")
+    warm = post(SET_B, "x")
+    assert other["usage"]["cached_tokens"] == 0
+    assert warm["usage"]["cached_tokens"] > 50
+    assert warm["answers"] == other["answers"]
+
+
+def test_prompt_cache_key_on_the_openai_route(server):
+    import httpx
+
+    def post(key):
+        body = {"model": "gemma", "input": STATE_1, "prompt_cache_key": key,
+                "questions": [{"type": "predicate", "name": "refund", "instructions": "Does the customer ask for a refund?"}]}
+        r = httpx.post(server.url + "/v1/decisions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first = post("k1")
+    again = post("k1")
+    other = post("k2")
+    assert first["usage"]["input_tokens_details"]["cached_tokens"] < 10
+    assert again["usage"]["input_tokens_details"]["cached_tokens"] > 50
+    assert other["usage"]["input_tokens_details"]["cached_tokens"] == 0
+    assert again["answers"] == first["answers"] == other["answers"]
