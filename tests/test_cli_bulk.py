@@ -97,6 +97,10 @@ def offline(tmp_path_factory, requests_file, server):
     return r, read_out(out), json.loads(summary.read_text())
 
 
+def _usage(record: dict) -> dict:
+    return {k: v for k, v in record["response"]["usage"].items() if k != "cached_tokens"}
+
+
 def _check_errors(records: dict) -> None:
     assert records[5]["error"]["type"] == "invalid_request_error" and records[5]["error"]["code"] == 400
     assert records[5]["line"] == 5
@@ -132,7 +136,8 @@ def test_server_bulk_gives_the_offline_numbers(offline, server, requests_file, t
     assert set(srv) == set(off)
     for rid in ("t0", "t1", 3, "t3"):
         assert srv[rid]["response"]["answers"] == off[rid]["response"]["answers"], rid
-        assert srv[rid]["response"]["usage"] == off[rid]["response"]["usage"], rid
+        # cached_tokens (server prefix-cache reuse) depends on what the server answered before.
+        assert _usage(srv[rid]) == _usage(off[rid]), rid
         assert srv[rid]["line"] == off[rid]["line"]
     _check_errors(srv)
 
