@@ -271,3 +271,23 @@ def test_batch_needs_out_and_no_request_file(tmp_path):
     assert r.returncode == 2 and "--out" in r.stderr
     r = gmlx("systemone", str(req), "--batch", str(req), "--out", str(tmp_path / "o.jsonl"), timeout=60)
     assert r.returncode == 2
+
+
+def test_progress_bar_on_a_terminal_and_plain_lines_otherwise():
+    import io
+
+    tty = io.StringIO()
+    bar = bulk.Progress(3, stream=tty, tty=True)
+    assert bar.bar is not None  # rich, not hand-drawn
+    for failed in (False, True, False):
+        bar.advance(failed)
+    bar.stop()
+    assert "3/3" in tty.getvalue() and "1 failed" in tty.getvalue()
+    plain = io.StringIO()
+    p = bulk.Progress(4, stream=plain, every=0.0, tty=False)
+    assert p.bar is None
+    for failed in (False, False, True, False):
+        p.advance(failed)
+    lines = plain.getvalue().splitlines()
+    assert lines[0].startswith("gmlx: 1/4 lines, 0 failed, ") and "decisions/s, ETA" in lines[0]
+    assert lines[-1].startswith("gmlx: 3/4 lines, 1 failed")  # the summary replaces a 4/4 line
