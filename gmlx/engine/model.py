@@ -195,16 +195,16 @@ def model_meta(model, key: str) -> str | None:
 
 
 def backend_name() -> str:
-    if not llama_cpp.llama_supports_gpu_offload():
-        return "cpu"
-    names = []
-    try:
-        for i in range(llama_cpp.ggml_backend_dev_count()):
-            dev = llama_cpp.ggml_backend_dev_get(i)
-            names.append(llama_cpp.ggml_backend_dev_name(dev).decode())
-    except Exception:  # binding without the device API
-        return "gpu"
-    return ",".join(names) or "gpu"
+    """The offload backend and devices llama.cpp has (engine/devices.py), or "cpu"."""
+    from .devices import backend_name as name
+
+    return name()
+
+
+def has_accelerator() -> bool:
+    from .devices import accelerators
+
+    return llama_cpp.llama_supports_gpu_offload() and bool(accelerators())
 
 
 _SPLIT = {"none": 0, "layer": 1, "row": 2}
@@ -232,7 +232,8 @@ def _set_load_mode(mp, use_mmap: bool, use_mlock: bool) -> None:
 
 def _model_params(settings: dict[str, Any], progress: _Progress):
     mp = llama_cpp.llama_model_default_params()
-    offload = llama_cpp.llama_supports_gpu_offload()
+    # Layers go to a local GPU or to RPC workers' devices; a CPU build has neither.
+    offload = has_accelerator() or bool(settings.get("rpc_servers"))
     n_gpu = settings["n_gpu_layers"]
     mp.n_gpu_layers = (0x7FFFFFFF if n_gpu < 0 else n_gpu) if offload else 0
     mp.split_mode = _SPLIT[settings["split_mode"]]
@@ -396,7 +397,7 @@ def load_model(model_id: str, path: Path, settings: dict[str, Any], isolate_voca
     m.canvas_length = int(canvas) if canvas and canvas.isdigit() else None
     m.shift_logits = (m.meta("diffusion.shift_logits") or "").lower() == "true"
     requested = settings["n_gpu_layers"]
-    if llama_cpp.llama_supports_gpu_offload():
+    if has_accelerator() or rpc_devices is not None:
         # llama.cpp offloads the repeating layers plus the output layer.
         m.gpu_layers = n_layer + 1 if requested < 0 else min(requested, n_layer + 1)
     log.info(
