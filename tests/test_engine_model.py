@@ -165,3 +165,24 @@ def test_supported_architectures_detected():
     for arch in ("llada", "dream", "qwen3", "gemma3", "llama"):
         assert llama_supports_arch(arch), arch
     assert not llama_supports_arch("no-such-architecture-xyz")
+
+
+def test_truncated_file_is_refused_at_load_not_a_sigbus(tmp_path, tiny_qwen3):
+    """A GGUF cut short after its header would map fine and kill the process on
+    the first read of a missing page; the tensor table is checked first."""
+    import os
+    import shutil
+
+    from gmlx.config import LOAD_DEFAULTS
+    from gmlx.engine.gguf_info import read_info
+    from gmlx.engine.model import load_model
+    from gmlx.errors import ModelLoadError
+
+    cut = tmp_path / "cut.gguf"
+    shutil.copy(tiny_qwen3, cut)
+    assert read_info(cut).architecture == "qwen3"  # whole: fine
+    os.truncate(cut, os.path.getsize(cut) - 64)
+    with pytest.raises(ValueError, match="truncated"):
+        read_info(cut)
+    with pytest.raises(ModelLoadError, match="truncated"):
+        load_model("cut", cut, dict(LOAD_DEFAULTS, n_ctx=256))

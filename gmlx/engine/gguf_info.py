@@ -114,7 +114,7 @@ def _header_values(path: Path, wanted: frozenset[str]) -> dict[str, object]:
         (version,) = struct.unpack_from("<I", mm, 4)
         if version < 2:
             raise ValueError(f"GGUF version {version} is not supported")
-        _n_tensors, n_kv = struct.unpack_from("<QQ", mm, 8)
+        n_tensors, n_kv = struct.unpack_from("<QQ", mm, 8)
         off = 24
         for _ in range(n_kv):
             key, off = read_str(off)
@@ -122,11 +122,44 @@ def _header_values(path: Path, wanted: frozenset[str]) -> dict[str, object]:
             (vt,) = struct.unpack_from("<I", mm, off)
             off += 4
             name = key.decode("utf-8", "replace")
-            keep = name in wanted or name.endswith(".context_length")
+            keep = name in wanted or name.endswith(".context_length") or name == "general.alignment"
             val, off = read_val(vt, off, keep)
             if keep:
                 out[name] = val
+        # Tensor infos: the file must hold every tensor's bytes. A file cut short
+        # after the header would load (mmap) and then kill the process with
+        # SIGBUS on the first read of a missing page.
+        end = 0
+        for _ in range(n_tensors):
+            tname, off = read_str(off)
+            need(off, 4)
+            (n_dims,) = struct.unpack_from("<I", mm, off)
+            need(off + 4, 8 * n_dims + 12)
+            dims = struct.unpack_from(f"<{n_dims}Q", mm, off + 4)
+            ttype, toff = struct.unpack_from("<IQ", mm, off + 4 + 8 * n_dims)
+            off += 4 + 8 * n_dims + 12
+            end = max(end, toff + _tensor_bytes(ttype, dims, tname))
+        align = int(out.get("general.alignment") or 32)
+        data_start = (off + align - 1) // align * align
+        if n_tensors and data_start + end > size:
+            raise ValueError(
+                f"truncated: the header promises tensor data up to byte {data_start + end:,} "
+                f"but the file holds {size:,} bytes"
+            )
     return out
+
+
+def _tensor_bytes(ttype: int, dims: tuple[int, ...], name: bytes) -> int:
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+    except (KeyError, ValueError):
+        raise ValueError(f"tensor {name.decode('utf-8', 'replace')!r} has unknown type {ttype}") from None
+    n = 1
+    for d in dims:
+        n *= d
+    return n // block * size
 
 
 def read_info(path: str | Path) -> GGUFInfo:
