@@ -248,6 +248,30 @@ class Config(_Strict):
             return next(iter(self.models))
         return None
 
+    def profile_for(self, model_id: str, requested: str | None) -> str | None:
+        """The profile a request for `model_id` gets (SPEC 6.2): the one it
+        names (400 if unknown or not the model's), else `server.defaults.profile`
+        when the model takes it, else none. The server and the offline CLI both
+        resolve profiles here."""
+        from .errors import UnknownProfile
+
+        m = self.models[model_id]
+        if requested is not None:
+            if requested not in self.profiles:
+                known = ", ".join(sorted(self.profiles)) or "none"
+                raise UnknownProfile(f"profile {requested!r} is not configured (profiles: {known})", param="profile")
+            # A model that lists its profiles takes only those; one that lists none takes any.
+            if m.profiles and requested not in m.profiles:
+                raise UnknownProfile(
+                    f"model {model_id!r} does not take profile {requested!r} (its profiles: {', '.join(m.profiles)})",
+                    param="profile",
+                )
+            return requested
+        default = self.server.defaults.profile
+        if default is not None and (not m.profiles or default in m.profiles):
+            return default
+        return None
+
     def model_path(self, model_id: str) -> Path:
         """The GGUF file of a model (a package source is assembled on first use)."""
         m = self.models[model_id]

@@ -91,15 +91,17 @@ def run_offline(body: dict[str, Any], model: str, config_path: str | None) -> di
     from .decisions.request import parse_decision
     from .decisions.run import admit, decide
 
-    model_id, reader, ds = open_offline(model, config_path)
+    model_id, reader, ds = open_offline(model, config_path, profile=body.get("profile") if isinstance(body, dict) else None)
     decision = parse_decision(body, ds)
     admit(decision, reader, ds)
     return decide(decision, reader, ds, model_id)
 
 
-def open_offline(model: str, config_path: str | None):
+def open_offline(model: str, config_path: str | None, profile: str | None = None):
     """Load `model` (a configured id or alias, or a GGUF path) and open its
-    reader: (model_id, reader, decision settings), as the server would serve it.
+    reader: (model_id, reader, decision settings), as the server would serve it:
+    the request's profile (or server.defaults.profile) resolved as the server
+    resolves it, and the server.systemone defaults.
     `gmlx systemone --batch` keeps them for every line."""
     from .config import Config, load_config, parse_config
     from .engine import open_reader
@@ -115,7 +117,8 @@ def open_offline(model: str, config_path: str | None):
     model_id = cfg.resolve_id(model)
     if model_id is not None:
         path = cfg.model_path(model_id)
-        settings = cfg.models[model_id].settings()
+        chosen = cfg.profile_for(model_id, profile if isinstance(profile, str) else None)
+        settings = cfg.models[model_id].settings(cfg.profiles[chosen] if chosen else None)
     else:
         path = Path(model).expanduser()
         if not path.is_file():

@@ -28,7 +28,6 @@ from ..errors import (
     ModelNotFound,
     NoModelSpecified,
     ServerError,
-    UnknownProfile,
 )
 from .worker import Worker
 
@@ -105,22 +104,7 @@ class ModelManager:
         raise ModelNotFound(f"model {name!r} is not configured (configured: {known})", param="model")
 
     def profile_for(self, model_id: str, requested: str | None) -> str | None:
-        m = self.cfg.models[model_id]
-        if requested is not None:
-            if requested not in self.cfg.profiles:
-                known = ", ".join(sorted(self.cfg.profiles)) or "none"
-                raise UnknownProfile(f"profile {requested!r} is not configured (profiles: {known})", param="profile")
-            # A model that lists its profiles takes only those; one that lists none takes any.
-            if m.profiles and requested not in m.profiles:
-                raise UnknownProfile(
-                    f"model {model_id!r} does not take profile {requested!r} (its profiles: {', '.join(m.profiles)})",
-                    param="profile",
-                )
-            return requested
-        default = self.cfg.server.defaults.profile
-        if default is not None and (not m.profiles or default in m.profiles):
-            return default
-        return None
+        return self.cfg.profile_for(model_id, requested)
 
     # -- files -------------------------------------------------------------------
     def known_path(self, model_id: str) -> Path | None:
