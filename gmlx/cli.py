@@ -176,11 +176,23 @@ def _human_size(n: int) -> str:
     return str(n)
 
 
+def backend_line() -> str:
+    """The llama.cpp build and the devices it can compute on."""
+    import llama_cpp
+
+    from .engine.devices import backend_name, devices
+    from .engine.model import init_backend
+
+    init_backend()
+    devs = ", ".join(f"{d.name} ({d.description})" if d.description else d.name for d in devices()) or "unknown"
+    return f"llama-cpp-python {llama_cpp.__version__}: backend {backend_name()}; devices: {devs}"
+
+
 def model_rows(cfg: Config) -> list[dict]:
     """One row per configured model, from the GGUF header only."""
-    from .engine.gguf_info import llama_supports_arch, read_info
-    from .engine.model import strategy_for
     from .engine.chat import ARCH_BUILTIN
+    from .engine.gguf_info import llama_supports_arch, read_info, unsupported_note
+    from .engine.model import configured_strategy
 
     rows = []
     for mid, m in cfg.models.items():
@@ -216,9 +228,9 @@ def model_rows(cfg: Config) -> list[dict]:
             present=True,
             size=info.size,
             architecture=info.architecture,
-            strategy=strategy_for(info.architecture, False, has_template),
+            strategy=configured_strategy(getattr(m, "read_strategy", None), info.architecture, has_template),
             loadable=supported,
-            note="" if supported else f"this llama.cpp build cannot load {info.architecture!r}: upgrade llama-cpp-python",
+            note="" if supported else unsupported_note(info.architecture),
         )
         rows.append(row)
     return rows
@@ -231,6 +243,7 @@ def models(
     """List configured models: source, file, architecture, strategy, loadable."""
     cfg = _config(config)
     rows = model_rows(cfg)
+    typer.echo(backend_line())
     headers = ["id", "aliases", "architecture", "strategy", "loadable", "present", "size", "source"]
     table = [
         [
