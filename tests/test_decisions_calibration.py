@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gmlx.decisions.calibration import CONTENT_FREE_STATES, PriorCache, calibrated
-from gmlx.decisions.fake import FakeReader, ticket_body
+from fake_reader import FakeReader, ticket_body
 from gmlx.decisions.request import parse_decision
 from gmlx.decisions.run import decide
 from gmlx.decisions.types import DecisionSettings

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gmlx.errors import ValidationError
-from gmlx.decisions.fake import FakeReader, ticket_body
+from fake_reader import FakeReader, ticket_body
 from gmlx.decisions.plan import asked_questions, make_plan, skip_reason, stages_of
 from gmlx.decisions.request import parse_decision
 from gmlx.decisions.run import admit, decide

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from gmlx.errors import InvalidRequest, ValidationError
-from gmlx.decisions.fake import ticket_body
+from fake_reader import ticket_body
 from gmlx.decisions.request import parse_decision
 from gmlx.decisions.types import DecisionSettings
 

@@ -9,7 +9,7 @@ import pytest
 
 from gmlx.errors import Cancelled, ValidationError
 from gmlx.decisions import stats
-from gmlx.decisions.fake import FakeReader, ticket_body
+from fake_reader import FakeReader, ticket_body
 from gmlx.decisions.request import parse_decision
 from gmlx.decisions.run import admit, decide
 from gmlx.decisions.orders import option_order

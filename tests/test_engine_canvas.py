@@ -12,7 +12,7 @@ import pytest
 import tiny_gguf
 from gmlx.config import LOAD_DEFAULTS
 from gmlx.decisions import canvas_text
-from gmlx.decisions.fake import ticket_body
+from fake_reader import ticket_body
 from gmlx.decisions.request import parse_decision
 from gmlx.decisions.run import admit, decide
 from gmlx.decisions.types import Answered, DecisionSettings, Read, Thought

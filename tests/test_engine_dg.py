@@ -37,7 +37,7 @@ def _child(eb_path: str, noeb_path: str) -> dict:
     import numpy as np
 
     from gmlx.config import LOAD_DEFAULTS
-    from gmlx.decisions.fake import ticket_body
+    from fake_reader import ticket_body
     from gmlx.decisions.request import parse_decision
     from gmlx.decisions.run import decide
     from gmlx.decisions.types import DecisionSettings, Read

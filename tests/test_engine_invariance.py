@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from gmlx.config import LOAD_DEFAULTS
-from gmlx.decisions.fake import ticket_body
+from fake_reader import ticket_body
 from gmlx.decisions.request import parse_decision
 from gmlx.decisions.run import decide
 from gmlx.decisions.types import DecisionSettings

@@ -13,7 +13,7 @@ from PIL import Image
 from server_harness import assert_error, start
 from tiny_gguf_more import build_lfm2, build_mmproj
 
-from gmlx.decisions.fake import ticket_body
+from fake_reader import ticket_body
 from gmlx.config import LOAD_DEFAULTS
 from gmlx.decisions.request import parse_decision
 from gmlx.decisions.run import admit, decide

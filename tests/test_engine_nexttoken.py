@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gmlx.config import LOAD_DEFAULTS
-from gmlx.decisions.fake import ticket_body
+from fake_reader import ticket_body
 from gmlx.decisions.request import parse_decision
 from gmlx.decisions.run import admit, decide
 from gmlx.decisions.orders import option_order

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_gguf  # noqa: E402
 from server_harness import start  # noqa: E402
 
-from gmlx.decisions.fake import ticket_body  # noqa: E402
+from fake_reader import ticket_body  # noqa: E402
 from gmlx.errors import GmlxError  # noqa: E402
 from gmlx.server import body as bodies  # noqa: E402
 

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_gguf  # noqa: E402
 
 from gmlx.config import LOAD_DEFAULTS, parse_config  # noqa: E402
-from gmlx.decisions.fake import FakeReader, ticket_body  # noqa: E402
+from fake_reader import FakeReader, ticket_body  # noqa: E402
 from gmlx.decisions.request import RESERVED_TEMPLATE_KWARGS, parse_decision  # noqa: E402
 from gmlx.decisions.run import admit, decide  # noqa: E402
 from gmlx.decisions.types import DecisionSettings  # noqa: E402

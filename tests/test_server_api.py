@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_gguf  # noqa: E402
 from server_harness import assert_error, dumps, long_body, noul_body, start  # noqa: E402
 
-from gmlx.decisions.fake import ticket_body  # noqa: E402
+from fake_reader import ticket_body  # noqa: E402
 
 LIMIT = 65536
 

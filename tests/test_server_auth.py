@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from server_harness import assert_error, noul_body, start  # noqa: E402
 
-from gmlx.decisions.fake import ticket_body  # noqa: E402
+from fake_reader import ticket_body  # noqa: E402
 
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

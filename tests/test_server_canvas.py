@@ -9,7 +9,7 @@ import httpx
 import pytest
 from server_harness import gmlx_command, start
 
-from gmlx.decisions.fake import ticket_body
+from fake_reader import ticket_body
 
 
 @pytest.fixture(scope="module")

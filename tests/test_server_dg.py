@@ -16,7 +16,7 @@ import yaml
 from server_harness import gmlx_command, start
 
 import tiny_gguf
-from gmlx.decisions.fake import ticket_body
+from fake_reader import ticket_body
 
 pytestmark = pytest.mark.skipif(tiny_gguf.dg_lib_source() is None, reason="no ../shared/llama-dg/lib")
 

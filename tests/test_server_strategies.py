@@ -10,7 +10,7 @@ import pytest
 from server_harness import assert_error, start
 from tiny_gguf_more import build_gemma4, build_lfm2, build_qwen35
 
-from gmlx.decisions.fake import ticket_body
+from fake_reader import ticket_body
 
 STRATEGY = {"winnow": "winnow", "liquid": "liquid", "qwen35": "next-token"}
 

@@ -12,7 +12,7 @@ import pytest
 import zstandard
 
 from gmlx.config import parse_config
-from gmlx.decisions.fake import FakeReader
+from fake_reader import FakeReader
 from gmlx.decisions.request import parse_decision
 from gmlx.decisions.types import DecisionSettings
 from gmlx.errors import (

@@ -153,7 +153,7 @@ class ReadResult:
 
 class Reader(Protocol):
     """What a read engine offers the decision core. Implementations live in
-    gmlx.engine (llama.cpp) and gmlx.decisions.fake (tests)."""
+    gmlx.engine (llama.cpp) and tests/fake_reader.py (tests)."""
 
     strategy: Strategy
     # Whether `think` can do anything on this model (else it is ignored with a warning).

@@ -14,12 +14,12 @@ import hashlib
 import math
 from typing import Callable, Mapping, Sequence, Union
 
-from ..errors import InvalidRequest
-from . import prompts
-from .labels import check_label_tokens
-from .plan import asked_questions
-from .orders import order_of
-from .types import Decision, Question, Read, ReadResult, SlotRead, Thought
+from gmlx.errors import InvalidRequest
+from gmlx.decisions import prompts
+from gmlx.decisions.labels import check_label_tokens
+from gmlx.decisions.plan import asked_questions
+from gmlx.decisions.orders import order_of
+from gmlx.decisions.types import Decision, Question, Read, ReadResult, SlotRead, Thought
 
 # A forced distribution: label probabilities in request option order, one list
 # per sample (the last repeats), or a function of the read.
