@@ -9,10 +9,38 @@ the backend, and it is also true for a CPU build that carries the RPC backend.
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
-from .rpc import _open
+import llama_cpp
+
+
+def _lib_names(stem: str) -> list[str]:
+    if sys.platform == "darwin":
+        return [f"lib{stem}.dylib"]
+    if sys.platform == "win32":
+        return [f"{stem}.dll", f"lib{stem}.dll"]
+    return [f"lib{stem}.so", f"lib{stem}.so.0"]
+
+
+def library_dir() -> Path:
+    """The folder of the libllama the binding loaded (LLAMA_CPP_LIB_PATH or the bundled one)."""
+    return Path(llama_cpp.llama_cpp._lib._name).resolve().parent
+
+
+def _open(stem: str) -> ctypes.CDLL | None:
+    for name in _lib_names(stem):
+        # Next to libllama as named (LLAMA_CPP_LIB_PATH may be a folder of links).
+        for folder in (Path(llama_cpp.llama_cpp._lib._name).parent, library_dir()):
+            path = folder / name
+            if path.is_file():
+                try:
+                    return ctypes.CDLL(str(path))
+                except OSError:
+                    continue
+    return None
 
 # ggml_backend_dev_type
 DEV_CPU, DEV_GPU, DEV_IGPU, DEV_ACCEL = 0, 1, 2, 3

@@ -23,45 +23,16 @@ private network only.
 from __future__ import annotations
 
 import ctypes
-import sys
 import threading
-from pathlib import Path
 
 import llama_cpp
 
+from .devices import DEV_CPU, DEV_GPU, DEV_IGPU, _open, declare, library_dir
+
 RPC_BUILD = 'CMAKE_ARGS="-DGGML_RPC=on" pip install --force-reinstall --no-cache-dir llama-cpp-python'
-
-DEV_CPU, DEV_GPU, DEV_IGPU = 0, 1, 2
-
 
 class RPCUnavailable(Exception):
     """This llama.cpp build has no RPC backend; the message says how to get one."""
-
-
-def _lib_names(stem: str) -> list[str]:
-    if sys.platform == "darwin":
-        return [f"lib{stem}.dylib"]
-    if sys.platform == "win32":
-        return [f"{stem}.dll", f"lib{stem}.dll"]
-    return [f"lib{stem}.so", f"lib{stem}.so.0"]
-
-
-def library_dir() -> Path:
-    """The folder of the libllama the binding loaded (LLAMA_CPP_LIB_PATH or the bundled one)."""
-    return Path(llama_cpp.llama_cpp._lib._name).resolve().parent
-
-
-def _open(stem: str) -> ctypes.CDLL | None:
-    for name in _lib_names(stem):
-        # Next to libllama as named (LLAMA_CPP_LIB_PATH may be a folder of links).
-        for folder in (Path(llama_cpp.llama_cpp._lib._name).parent, library_dir()):
-            path = folder / name
-            if path.is_file():
-                try:
-                    return ctypes.CDLL(str(path))
-                except OSError:
-                    continue
-    return None
 
 
 class _RPC:
@@ -72,24 +43,8 @@ class _RPC:
         if ggml is None:
             raise RPCUnavailable(f"libggml not found next to {llama_cpp.llama_cpp._lib._name}")
         self.ggml = ggml
+        declare(ggml)
         vp, sz, cp = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p
-        for name, args, res in (
-            ("ggml_backend_reg_by_name", [cp], vp),
-            ("ggml_backend_reg_get_proc_address", [vp, cp], vp),
-            ("ggml_backend_reg_dev_count", [vp], sz),
-            ("ggml_backend_reg_dev_get", [vp, sz], vp),
-            ("ggml_backend_dev_count", [], sz),
-            ("ggml_backend_dev_get", [sz], vp),
-            ("ggml_backend_dev_by_type", [ctypes.c_int], vp),
-            ("ggml_backend_dev_by_name", [cp], vp),
-            ("ggml_backend_dev_name", [vp], cp),
-            ("ggml_backend_dev_description", [vp], cp),
-            ("ggml_backend_dev_type", [vp], ctypes.c_int),
-            ("ggml_backend_dev_backend_reg", [vp], vp),
-            ("ggml_backend_reg_name", [vp], cp),
-        ):
-            fn = getattr(ggml, name)
-            fn.argtypes, fn.restype = args, res
         self.reg = ggml.ggml_backend_reg_by_name(b"RPC")
         add = self._proc("ggml_backend_rpc_add_server")
         start = self._proc("ggml_backend_rpc_start_server")
