@@ -67,7 +67,6 @@ def systemone(
     """Answer a request file (or with --batch a JSONL of them): through a running server, or offline with --model."""
     import json
 
-    from .errors import GmlxError
     from .systemone import HTTPFailure, RequestFileError, format_answers, post, read_request, run_offline
 
     if model and (url or host or port is not None):
@@ -91,14 +90,7 @@ def systemone(
         body["seed"] = seed
     if model:
         logging.basicConfig(level=logging.WARNING)
-        try:
-            response = run_offline(body, model, config)
-        except ConfigError as err:
-            _fail(f"gmlx: {err}", 2)
-        except GmlxError as err:
-            _fail(f"gmlx: {err.status} {err.type}: {err.message}", 1)
-        except Exception as err:  # a load failure: one line, not a traceback
-            _fail(f"gmlx: {err}", 1)
+        response = _offline(run_offline, body, model, config)
     else:
         url = _server_url(url, host, port, config)
         try:
@@ -127,26 +119,33 @@ def _server_url(url: Optional[str], host: Optional[str], port: Optional[int], co
     return f"http://{host or cfg_host}:{port if port is not None else cfg_port}"
 
 
+def _offline(fn, *args):
+    """Run an offline load (and decision): a config error exits 2, anything
+    else 1, each as one line rather than a traceback."""
+    from .errors import GmlxError
+
+    try:
+        return fn(*args)
+    except ConfigError as err:
+        _fail(f"gmlx: {err}", 2)
+    except GmlxError as err:
+        _fail(f"gmlx: {err.status} {err.type}: {err.message}", 1)
+    except Exception as err:  # a load failure: one line, not a traceback
+        _fail(f"gmlx: {err}", 1)
+
+
 def _bulk(batch, out, model, config, url, api_key, seed, concurrency, retries, progress, summary_json) -> None:
     """`gmlx systemone --batch`: gmlx/bulk.py does the work; exit 1 when any line failed."""
     import json
     import sys
 
     from . import bulk
-    from .errors import GmlxError
 
     if not Path(batch).is_file():
         _fail(f"gmlx: {batch}: no such file", 1)
     if model:
         logging.basicConfig(level=logging.WARNING)
-        try:
-            engine = bulk.OfflineEngine(model, config)
-        except ConfigError as err:
-            _fail(f"gmlx: {err}", 2)
-        except GmlxError as err:
-            _fail(f"gmlx: {err.status} {err.type}: {err.message}", 1)
-        except Exception as err:  # a load failure: one line, not a traceback
-            _fail(f"gmlx: {err}", 1)
+        engine = _offline(bulk.OfflineEngine, model, config)
         workers = 1  # one reader owns one llama.cpp context
     else:
         engine = bulk.ServerEngine(url, api_key, retries=retries, concurrency=concurrency)
