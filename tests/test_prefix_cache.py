@@ -146,3 +146,21 @@ def test_prompt_cache_key_on_the_openai_route(server):
     assert again["usage"]["input_tokens_details"]["cached_tokens"] > 50
     assert other["usage"]["input_tokens_details"]["cached_tokens"] == 0
     assert again["answers"] == first["answers"] == other["answers"]
+
+
+def test_prefix_past_the_sliding_window_is_not_restored_from_host_memory(readers):
+    """llama.cpp saves only a sliding-window layer's window and restores it from
+    cell 0, which rounds differently: such a prefix is reused only while it is
+    resident, and the numbers stay those of a cold evaluation."""
+    cached, cold = readers
+    assert cached._swa == 512  # Gemma 3's sliding window
+    long_state = STATE_1 * 6
+    assert len(cached.lm.encode(long_state)) > 600
+    cached.clear_cache()
+    run(cached, long_state, SET_A)
+    resident = run(cached, long_state, SET_B)
+    assert resident["usage"]["cached_tokens"] > 600
+    run(cached, STATE_2 * 6, SET_A)  # pushes the long prefix out of the KV
+    back = run(cached, long_state, SET_B)
+    assert back["usage"]["cached_tokens"] < 20
+    assert back["answers"] == resident["answers"] == run(cold, long_state, SET_B)["answers"]

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import llama_cpp
 import numpy as np
 
 from ..decisions import prompts
@@ -88,6 +89,8 @@ class NextTokenReader:
         self._cached_salt: str | None = None  # the salt sequence 0's prefix was written under
         self._saved: OrderedDict[tuple, bytes] = OrderedDict()  # (salt, tokens) -> state
         self._saved_bytes = 0
+        n_swa = getattr(llama_cpp, "llama_model_n_swa", None)
+        self._swa = int(n_swa(lm.model)) if n_swa is not None else 0
         self._first_hold = True
         self._reused = 0  # tokens this decision took from an earlier one
 
@@ -363,8 +366,16 @@ class NextTokenReader:
         self._cached_salt = self._salt
 
     def _save_resident(self) -> None:
-        """Keep sequence 0's prefix in host memory before it is replaced."""
+        """Keep sequence 0's prefix in host memory before it is replaced.
+
+        Not past a sliding window: llama.cpp saves only the window's cells of a
+        sliding-window layer and restores them from cell 0, where they round
+        differently than in the cells they had (measured: a 990-token Gemma 3
+        prefix restored changed the answers). Such a prefix stays reusable
+        while it is resident on sequence 0."""
         if len(self._cached) < 2 * MIN_PIECE:
+            return
+        if self._swa and len(self._cached) > self._swa:
             return
         key = (self._cached_salt, tuple(self._cached))
         if key in self._saved:
