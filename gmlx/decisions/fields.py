@@ -46,18 +46,19 @@ def want_bool(value: Any, name: str, param: str) -> bool:
     return value
 
 
-def describe(value: Any) -> str:
-    """A short name of a JSON value's type, for messages."""
+def describe(value: Any, openai: bool = False) -> str:
+    """A short name of a JSON value's type, for messages. OpenAI's wording
+    (`openai`) says "an array" and does not repeat numbers."""
     if value is None:
         return "null"
     if isinstance(value, bool):
         return "a boolean"
     if isinstance(value, (int, float)):
-        return f"the number {value!r}"
+        return "a number" if openai else f"the number {value!r}"
     if isinstance(value, str):
         return "a string"
     if isinstance(value, list):
-        return "a list"
+        return "an array" if openai else "a list"
     if isinstance(value, dict):
         return "an object"
     return type(value).__name__

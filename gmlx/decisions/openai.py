@@ -32,6 +32,7 @@ from typing import Any
 from ..errors import GmlxError, InvalidRequest
 from .questions import MAX_ALTERNATIVES, MIN_ALTERNATIVES
 from .request import parse_decision
+from .fields import describe
 from .types import Decision, DecisionSettings
 
 # `calibrate` is gmlx's extension (SPEC 4.5); the rest are OpenAI's.
@@ -78,19 +79,7 @@ def _err(message: str, param: str | None, code: str = "invalid_value") -> OpenAI
 
 
 def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
+    return describe(value, openai=True)
 
 
 @dataclass(frozen=True)
