@@ -106,6 +106,9 @@ class ModelConfig(LoadSettings):
     # A GGUF shipped by an installed Python package whose `assemble()` returns its path.
     package: str | None = None
     profiles: list[str] = Field(default_factory=list)
+    # llama.cpp contexts sharing the loaded model: decisions run concurrently,
+    # each on one context with its share of the threads (None: from the cores).
+    parallel: int | None = Field(None, ge=1, le=64)
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelConfig":
@@ -196,6 +199,13 @@ class ServerConfig(_Strict):
     max_body_bytes: int = Field(1048576, ge=1024)
     systemone: SystemOneConfig = Field(default_factory=SystemOneConfig)
     media: MediaConfig = Field(default_factory=MediaConfig)
+    # /metrics needs the API key (when one is set).
+    metrics_auth: bool = True
+    # Models loaded in the background at start; /health/ready is 503 until they are.
+    preload: list[str] = Field(default_factory=list)
+    # SIGTERM: seconds queued and running decisions get to finish before exit
+    # (0: queued ones get 503 at once, running ones finish).
+    drain_grace_s: float = Field(0.0, ge=0)
 
     @field_validator("api_key")
     @classmethod
@@ -228,6 +238,9 @@ class Config(_Strict):
         dm = self.server.defaults.model
         if dm is not None and dm not in names:
             raise _KeyError("server.defaults.model", dm, "names no configured model or alias")
+        for name in self.server.preload:
+            if name not in names:
+                raise _KeyError("server.preload", name, "names no configured model or alias")
         dp = self.server.defaults.profile
         if dp is not None and dp not in self.profiles:
             raise _KeyError("server.defaults.profile", dp, "names no profile")

@@ -4,6 +4,8 @@
     POST /v1/decisions                    the same decisions in OpenAI's shapes (SPEC 8)
     GET  /v1/models                       configured models and aliases (OpenAI and Jev shapes)
     GET  /health                          liveness, per-model state, request counters
+    GET  /health/ready                    readiness for a load balancer (200 ready, 503 loading/draining)
+    GET  /metrics                         Prometheus text format (gmlx.server.metrics)
     GET  /openapi.json                    FastAPI's schema
 
 A decision is admitted on the event loop side (auth, body, parse, model
@@ -37,6 +39,8 @@ from ..errors import AuthenticationError, Cancelled, GmlxError, ServerError, Tim
 from . import body as bodies
 from . import schema as schemas
 from .errors import EnvelopeMiddleware, error_response, id_headers, install, new_request_id
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import Metrics
 from .models import ModelManager
 from .openai_decisions import OpenAIDecisionsRoute, SystemOneRoute
 
@@ -84,21 +88,61 @@ def _summary(body: dict) -> str:
     return " ".join(parts)
 
 
+_ROUTES = {"/v1/systemone", "/systemone", "/v1/decisions", "/v1/models", "/health", "/health/ready", "/metrics",
+           "/openapi.json", "/docs", "/redoc"}
+
+
+class RequestMetricsMiddleware:
+    """Counts every HTTP response by route and status (pure ASGI: sees the
+    final status, envelopes included)."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        route = path if path in _ROUTES else "other"
+        status = {"code": 0}
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.metrics.request(route, status["code"] or 499)
+
+
 def create_app(cfg: Config, preload: bool = False) -> FastAPI:
     from ..engine.media import configure as configure_media
 
     configure_media(cfg.server.media)  # limits for request images (engine/media.py)
     manager = ModelManager(cfg)
+    metrics = Metrics(manager)
+    manager.metrics = metrics
     stats = Stats()
     started = time.time()
     api_key = cfg.server.api_key
+    # Models /health/ready waits for: server.preload, or every model with --preload.
+    ready_models = list(cfg.models) if preload else list(cfg.server.preload)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.loop = asyncio.get_running_loop()
         if preload:
             await manager.preload()
+        background = None
+        if cfg.server.preload:
+            manager.preloading = True
+            background = asyncio.create_task(manager.preload_ids(list(cfg.server.preload)))
         yield
+        if background is not None and not background.done():
+            background.cancel()
         await manager.close()
 
     app = FastAPI(
@@ -109,8 +153,10 @@ def create_app(cfg: Config, preload: bool = False) -> FastAPI:
     )
     app.state.manager = manager
     app.state.stats = stats
+    app.state.metrics = metrics
     install(app)
     app.add_middleware(EnvelopeMiddleware)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
 
     def check_auth(request: Request) -> None:
         if api_key is None:
@@ -160,6 +206,7 @@ def create_app(cfg: Config, preload: bool = False) -> FastAPI:
         SPEC 4.8 result into its response, and may restate an error for its callers."""
         t0 = time.monotonic()
         slot = None
+        model_id = None
         stats.decisions += 1
         if request.headers.get("x-typesafe-retry-count"):
             stats.retried += 1
@@ -187,6 +234,7 @@ def create_app(cfg: Config, preload: bool = False) -> FastAPI:
         except GmlxError as err:
             err = route.error(err)
             stats.by_status[str(err.status)] += 1
+            metrics.rejection(model_id, err.status)
             if err.status >= 500 and not isinstance(err, Timeout):
                 log.warning("decision failed (%d %s): %s", err.status, err.type, err.message)
             else:
@@ -208,6 +256,7 @@ def create_app(cfg: Config, preload: bool = False) -> FastAPI:
             log.exception("decision %s could not be shaped for its route", result.get("id"))
             return error_response(ServerError(f"the decision failed: {type(err).__name__}: {err}"))
         stats.by_status["200"] += 1
+        metrics.request_seconds.labels(model_id).observe(time.monotonic() - t0)
         timing = result["diagnostics"]["timing"]
         note = route.note()
         log.info(
@@ -262,6 +311,19 @@ def create_app(cfg: Config, preload: bool = False) -> FastAPI:
             "models": manager.health(),
             "requests": stats.as_dict(),
         })
+
+    @app.get("/health/ready", summary="Readiness for a load balancer")
+    async def health_ready() -> Response:
+        ok, reason = manager.is_ready(ready_models)
+        if ok:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": reason}, status_code=503, headers={"Retry-After": "2"})
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def metrics_route(request: Request) -> Response:
+        if cfg.server.metrics_auth:
+            check_auth(request)
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     base_openapi = app.openapi
 
@@ -320,22 +382,52 @@ def _release_date(manager: ModelManager, model_id: str, started: float) -> str:
 
 
 
-def run(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
-    """Serve `app` with uvicorn. On SIGTERM/SIGINT the decisions waiting in the
-    queues get 503 at once and new ones are refused, while uvicorn lets the
-    running ones finish (graceful shutdown, 30 s at most)."""
+DRAIN_POLL_S = 0.05
+
+
+def run(app: FastAPI, host: str, port: int, log_level: str = "info", grace_s: float | None = None) -> None:
+    """Serve `app` with uvicorn. On SIGTERM/SIGINT the replica drains: new
+    decisions get 503 with Retry-After (and /health/ready 503), the queued and
+    running ones finish within `server.drain_grace_s`; then whatever is still
+    queued gets 503, running ones are cancelled, and uvicorn stops (exit 0).
+    A second signal stops at once."""
     import uvicorn
 
+    manager: ModelManager = app.state.manager
+    grace = manager.cfg.server.drain_grace_s if grace_s is None else grace_s
+
     class _Server(uvicorn.Server):
+        draining = False
+
         def handle_exit(self, sig, frame) -> None:
             loop = getattr(app.state, "loop", None)
-            manager: ModelManager = app.state.manager
-            if loop is not None and not loop.is_closed():
-                # A signal handler must not take the workers' locks: hand it to the loop.
-                loop.call_soon_threadsafe(manager.begin_shutdown)
-            super().handle_exit(sig, frame)
+            if self.draining or loop is None or loop.is_closed():
+                if loop is not None and not loop.is_closed():
+                    loop.call_soon_threadsafe(manager.begin_shutdown)
+                return super().handle_exit(sig, frame)
+            self.draining = True
+            # A signal handler must not take the workers' locks: hand it to the loop.
+            loop.call_soon_threadsafe(lambda: loop.create_task(self._drain(sig, frame)))
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)
+        async def _drain(self, sig, frame) -> None:
+            if grace <= 0:
+                # No grace period: queued decisions get 503 at once, running ones finish.
+                manager.begin_shutdown()
+                return uvicorn.Server.handle_exit(self, sig, frame)
+            manager.begin_drain()
+            deadline = time.monotonic() + grace
+            log.info("draining: new decisions get 503; waiting up to %.0f s for the queued ones", grace)
+            while not manager.idle() and time.monotonic() < deadline:
+                await asyncio.sleep(DRAIN_POLL_S)
+            if not manager.idle():
+                log.warning("drain grace period (%.0f s) over: cancelling what is left", grace)
+            manager.begin_shutdown()
+            # Let the handlers of the last decisions write their responses.
+            await asyncio.sleep(2 * DISCONNECT_POLL_S)
+            uvicorn.Server.handle_exit(self, sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=max(30, int(grace) + 10))
     server = _Server(config)
     if threading.current_thread() is not threading.main_thread():
         server.run()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,21 @@ def _stamp(path: Path | None) -> tuple[int, int] | None:
     return (st.st_size, st.st_mtime_ns) if st else None
 
 
+def default_parallel(cores: int | None = None) -> int:
+    """Contexts per model when `parallel` is not set: one per two cores, 1..4.
+    (A 2-core machine gets 1: set `parallel: 2` there for two 1-thread contexts.)"""
+    cores = cores or os.cpu_count() or 1
+    return max(1, min(4, cores // 2))
+
+
+def context_settings(settings: dict[str, Any], parallel: int) -> dict[str, Any]:
+    """Each of `parallel` contexts gets its share of the threads."""
+    if parallel <= 1:
+        return settings
+    total = settings.get("n_threads") or os.cpu_count() or 1
+    return {**settings, "n_threads": max(1, total // parallel)}
+
+
 def slot_name(model_id: str, profile: str | None) -> str:
     return model_id if profile is None else f"{model_id}@{profile}"
 
@@ -67,7 +83,7 @@ class Slot:
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"state": self.state, "profile": self.profile}
         if self.info:
-            for key in ("architecture", "strategy", "backend", "gpu_layers", "load_ms", "chat_template"):
+            for key in ("architecture", "strategy", "backend", "gpu_layers", "load_ms", "chat_template", "parallel"):
                 out[key] = self.info.get(key)
         if self.error is not None:
             out["error"] = self.error.body()["error"]
@@ -83,6 +99,10 @@ class ModelManager:
         self.slots: dict[tuple[str, str | None], Slot] = {}
         self._paths: dict[str, Path] = {}  # resolved package paths (assembling is slow)
         self.stopping = False
+        self.draining = False
+        self.preloading = False
+        self.metrics = None  # gmlx.server.metrics.Metrics, set by the app
+        self.loaded_models: dict[str, Any] = {}  # model id -> shared loaded model (issue 16)
 
     # -- SPEC 6.2 --------------------------------------------------------------
     def resolve(self, name: str | None) -> str:
@@ -155,7 +175,7 @@ class ModelManager:
             raise ModelLoading(
                 f"model {slot.name!r} is loading; retry shortly", param="model", retry_after=LOADING_RETRY_AFTER_S
             )
-        if self.stopping:
+        if self.stopping or self.draining:
             from ..errors import Overloaded
 
             raise Overloaded("the server is shutting down", retry_after=1)
@@ -173,6 +193,14 @@ class ModelManager:
         profile = self.cfg.profiles.get(slot.profile) if slot.profile else None
         load_settings = m.settings(profile)
         model_id = slot.model_id
+        parallel = m.parallel or default_parallel()
+        read_settings = context_settings(load_settings, parallel)
+        canvas = self.settings.canvas
+
+        def open_more(lm):
+            from ..engine import open_reader
+
+            return open_reader(lm, read_settings, canvas=canvas)
 
         def load():
             from ..engine import open_reader
@@ -180,7 +208,7 @@ class ModelManager:
 
             lm = load_model(model_id, path, load_settings, isolate_vocab=True)
             try:
-                reader = open_reader(lm, load_settings, canvas=self.settings.canvas)
+                reader = open_reader(lm, read_settings, canvas=canvas)
             except GmlxError as err:  # 501 not_implemented: no read strategy
                 err.info = lm.describe()  # type: ignore[attr-defined]
                 lm.close()
@@ -197,7 +225,11 @@ class ModelManager:
             self.settings,
             max_queue=self.cfg.server.max_queue,
             timeout_s=self.cfg.server.token_queue_timeout_s,
+            parallel=parallel,
+            open_more=open_more,
         )
+        if self.metrics is not None:
+            worker.on_done = self.metrics.job_hook(model_id)
         loop = asyncio.get_running_loop()
         slot.state, slot.error, slot.info, slot.worker = "loading", None, {}, None
         slot.loaded = asyncio.Event()
@@ -212,8 +244,13 @@ class ModelManager:
         if err is None:
             lm = fut.result()
             slot.state, slot.worker, slot.info = "ready", worker, lm.describe()
+            slot.info["parallel"] = worker.contexts
+            if self.metrics is not None:
+                self.metrics.model_loaded(slot.model_id, slot.profile, lm.load_ms / 1000.0)
             if self.stopping:
                 worker.stop()
+            elif self.draining:
+                worker.drain()
         elif isinstance(err, ModelFileMissing):
             slot.state = "unloaded"  # the file went away between the check and the load
             slot.error = None
@@ -238,6 +275,44 @@ class ModelManager:
                 await self.ready(mid, self.profile_for(mid, None))
             except GmlxError as err:
                 log.warning("preload of %s: %s", mid, err.message)
+
+    async def preload_ids(self, names: list[str]) -> None:
+        """`server.preload`: load these models (default profile) in the background."""
+        self.preloading = True
+        try:
+            for name in names:
+                mid = self.cfg.resolve_id(name) or name
+                try:
+                    await self.ready(mid, self.profile_for(mid, None))
+                except GmlxError as err:
+                    log.warning("preload of %s: %s", mid, err.message)
+        finally:
+            self.preloading = False
+
+    def is_ready(self, names: list[str]) -> tuple[bool, str]:
+        """Readiness for a balancer: not draining, not preloading, every preload model ready."""
+        if self.stopping or self.draining:
+            return False, "draining"
+        if self.preloading:
+            return False, "loading"
+        for name in names:
+            mid = self.cfg.resolve_id(name) or name
+            slot = self.slots.get((mid, self.profile_for(mid, None)))
+            if slot is None or slot.state != "ready":
+                return False, f"model {mid!r} is {slot.state if slot else 'unloaded'}"
+        return True, "ready"
+
+    def begin_drain(self) -> None:
+        """SIGTERM: refuse new decisions (503), let queued and running ones finish."""
+        if self.draining or self.stopping:
+            return
+        self.draining = True
+        for slot in self.slots.values():
+            if slot.worker is not None:
+                slot.worker.drain()
+
+    def idle(self) -> bool:
+        return all(s.worker is None or s.worker.idle() for s in self.slots.values())
 
     def begin_shutdown(self) -> None:
         """SIGTERM: new decisions and queued ones get 503; running ones finish."""

@@ -1,8 +1,11 @@
-"""One worker thread per loaded (model, profile), owning its llama.cpp context.
+"""One worker per loaded (model, profile): `parallel` threads, each owning one
+llama.cpp context (a reader) on the one loaded model.
 
-A llama.cpp context is not thread-safe, so everything that touches it (load,
-open the reader, every read) happens on the worker's own thread; the event
-loop only hands it jobs and waits for their futures.
+A llama.cpp context is not thread-safe, so everything that touches a context
+(open the reader, every read) happens on its own thread; the first thread
+loads the model, the others open their readers on it. A decision runs entirely
+on one reader. The event loop only hands jobs to the shared queue and waits
+for their futures; back-pressure counts every context of the model.
 
 Queue rules (SPEC 6.3):
 - an idle worker takes a decision at once; otherwise it waits in a bounded
@@ -51,7 +54,7 @@ def _settle(fut: concurrent.futures.Future, result: Any = None, exc: BaseExcepti
         pass
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: a set of running jobs
 class Job:
     decision: Decision
     submitted: float = field(default_factory=time.monotonic)
@@ -59,6 +62,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     started: float | None = None  # when it left the queue
     finished: float | None = None
+    result: dict | None = None
 
     @property
     def queue_ms(self) -> float:
@@ -77,8 +81,12 @@ class Worker:
         settings: DecisionSettings,
         max_queue: int,
         timeout_s: float,
+        parallel: int = 1,
+        open_more: Callable[[Any], Any] | None = None,
     ):
         self.name = name
+        self.parallel = max(1, int(parallel)) if open_more is not None else 1
+        self._open_more = open_more  # runs on each extra thread: loaded model -> reader
         self.model_id = model_id
         self._load = load  # runs on the worker thread: -> (loaded model, reader)
         self.settings = settings
@@ -89,11 +97,16 @@ class Worker:
         self.reader = None
         self._cond = threading.Condition()
         self._queue: collections.deque[Job] = collections.deque()
-        self._running: Job | None = None
+        self._running: set[Job] = set()
+        self._idle = 0  # threads waiting for a job
+        self.contexts = 0  # readers open and serving
         self._stopping = False
+        self._draining = False  # stop taking new decisions, finish the queued ones
+        self.on_done: Callable[[Job, str], None] | None = None  # metrics hook
         self._service_s: collections.deque[float] = collections.deque(maxlen=16)
         self.counts = {"served": 0, "failed": 0, "cancelled": 0, "timeouts": 0, "overloaded": 0}
         self._thread = threading.Thread(target=self._main, name=f"gmlx-worker-{name}", daemon=True)
+        self._extra: list[threading.Thread] = []
 
     # -- lifecycle (event loop side) ------------------------------------------
     def start(self) -> concurrent.futures.Future:
@@ -113,23 +126,36 @@ class Worker:
             job.cancelled.set()
             _settle(job.future, exc=Overloaded(reason, retry_after=RETRY_MIN_S))
 
+    def drain(self) -> None:
+        """Refuse new decisions (503), keep answering the queued and running ones;
+        the threads exit once the queue is empty."""
+        with self._cond:
+            self._draining = True
+            self._cond.notify_all()
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._queue and not self._running
+
     def cancel_running(self) -> None:
         with self._cond:
-            if self._running is not None:
-                self._running.cancelled.set()
+            for job in self._running:
+                job.cancelled.set()
 
     def join(self, timeout: float | None = None) -> bool:
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-        return not self._thread.is_alive()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in [self._thread, *self._extra]:
+            if t.is_alive():
+                t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in [self._thread, *self._extra])
 
     # -- queue -----------------------------------------------------------------
     def submit(self, decision: Decision) -> Job:
         job = Job(decision)
         with self._cond:
-            if self._stopping:
+            if self._stopping or self._draining:
                 raise Overloaded("the server is shutting down", retry_after=RETRY_MIN_S)
-            busy = self._running is not None or bool(self._queue)
+            busy = len(self._running) + len(self._queue) >= max(1, self.contexts)
             if busy and len(self._queue) + 1 > self.max_queue:
                 self.counts["overloaded"] += 1
                 raise Overloaded(
@@ -160,8 +186,9 @@ class Worker:
     def _retry_after_locked(self) -> int:
         # Every waiting decision plus the running one, at the recent mean service time.
         mean = sum(self._service_s) / len(self._service_s) if self._service_s else 1.0
-        ahead = len(self._queue) + (1 if self._running is not None else 0)
-        return int(min(RETRY_MAX_S, max(RETRY_MIN_S, math.ceil(mean * max(1, ahead)))))
+        ahead = len(self._queue) + len(self._running)
+        rounds = math.ceil(max(1, ahead) / max(1, self.contexts or self.parallel))
+        return int(min(RETRY_MAX_S, max(RETRY_MIN_S, math.ceil(mean * rounds))))
 
     def retry_after(self) -> int:
         with self._cond:
@@ -171,7 +198,9 @@ class Worker:
         with self._cond:
             return {
                 "waiting": len(self._queue),
-                "running": self._running is not None,
+                "running": bool(self._running),
+                "in_flight": len(self._running),
+                "parallel": self.contexts or self.parallel,
                 "max_queue": self.max_queue,
                 "mean_service_ms": round(1000 * sum(self._service_s) / len(self._service_s), 1)
                 if self._service_s
@@ -185,16 +214,45 @@ class Worker:
             self.lm, self.reader = self._load()
         except BaseException as err:  # noqa: BLE001 - reported through the future
             _settle(self.loaded, exc=err)
-            self._close()
+            self._close(self.reader, self.lm)
             return
+        # The other contexts: each opened on the thread that will use it.
+        opened = [threading.Event() for _ in range(self.parallel - 1)]
+        for i in range(1, self.parallel):
+            t = threading.Thread(target=self._extra_main, args=(opened[i - 1], i),
+                                 name=f"gmlx-worker-{self.name}-{i}", daemon=True)
+            self._extra.append(t)
+            t.start()
+        for ev in opened:
+            ev.wait()
+        with self._cond:
+            self.contexts += 1
         _settle(self.loaded, result=self.lm)
         try:
-            self._serve()
+            self._serve(self.reader)
         finally:
-            self._close()
+            for t in self._extra:
+                t.join()
+            self._close(self.reader, self.lm)
 
-    def _close(self) -> None:
-        for obj in (self.reader, self.lm):
+    def _extra_main(self, opened: threading.Event, index: int) -> None:
+        reader = None
+        try:
+            reader = self._open_more(self.lm)  # type: ignore[misc]
+        except BaseException:  # noqa: BLE001 - fewer contexts, the model still serves
+            log.exception("%s: context %d could not be opened; serving with fewer", self.name, index)
+            opened.set()
+            return
+        with self._cond:
+            self.contexts += 1
+        opened.set()
+        try:
+            self._serve(reader)
+        finally:
+            self._close(reader)
+
+    def _close(self, *objs) -> None:
+        for obj in objs:
             close = getattr(obj, "close", None)
             if close is not None:
                 try:
@@ -202,25 +260,37 @@ class Worker:
                 except Exception:  # noqa: BLE001 - best effort at exit
                     log.debug("closing %s failed", self.name, exc_info=True)
 
-    def _serve(self) -> None:
+    def _serve(self, reader) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._stopping:
-                    self._cond.wait()
+                self._idle += 1
+                try:
+                    while not self._queue and not self._stopping and not self._draining:
+                        self._cond.wait()
+                finally:
+                    self._idle -= 1
                 if not self._queue:
-                    return  # stopping, nothing left
+                    return  # stopping or drained, nothing left
                 job = self._queue.popleft()
                 job.started = time.monotonic()
-                self._running = job
+                self._running.add(job)
             try:
-                self._run(job)
+                self._run(job, reader)
             finally:
                 job.finished = time.monotonic()
                 with self._cond:
-                    self._running = None
+                    self._running.discard(job)
                     self._service_s.append(job.finished - job.started)
 
-    def _run(self, job: Job) -> None:
+    def _done(self, job: Job, outcome: str) -> None:
+        if self.on_done is not None:
+            try:
+                self.on_done(job, outcome)
+            except Exception:  # noqa: BLE001 - metrics never fail a decision
+                log.debug("metrics hook failed", exc_info=True)
+
+    def _run(self, job: Job, reader=None) -> None:
+        reader = self.reader if reader is None else reader
         deadline = job.started + self.timeout_s
 
         def checkpoint() -> None:
@@ -231,26 +301,36 @@ class Worker:
 
         try:
             checkpoint()
-            body = decide(job.decision, self.reader, self.settings, self.model_id, checkpoint)
+            body = decide(job.decision, reader, self.settings, self.model_id, checkpoint)
             if time.monotonic() > deadline:
                 raise self.timeout_error()
             body["diagnostics"]["timing"]["queue_ms"] = round(job.queue_ms, 3)
-            self.counts["served"] += 1
+            job.result = body
+            self._count("served")
+            self._done(job, "served")
             _settle(job.future, result=body)
         except Cancelled as err:
-            self.counts["cancelled"] += 1
+            self._count("cancelled")
+            self._done(job, "cancelled")
             _settle(job.future, exc=err)
         except Timeout as err:
-            self.counts["timeouts"] += 1
+            self._count("timeouts")
+            self._done(job, "timeout")
             _settle(job.future, exc=err)
         except GmlxError as err:
-            self.counts["failed"] += 1
+            self._count("failed")
+            self._done(job, "failed")
             _settle(job.future, exc=err)
         except Exception as err:  # noqa: BLE001 - an engine failure must not stop the worker
-            self.counts["failed"] += 1
+            self._count("failed")
+            self._done(job, "failed")
             log.exception("decision on %s failed in the engine", self.name)
             _settle(job.future, exc=ServerError(
                 f"the engine failed on model {self.model_id!r}: {type(err).__name__}: {err}", param="model"))
+
+    def _count(self, key: str) -> None:
+        with self._cond:
+            self.counts[key] += 1
 
     def timeout_error(self) -> Timeout:
         return Timeout(
