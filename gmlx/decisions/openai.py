@@ -398,17 +398,26 @@ def _description(item: dict, where: str) -> str | None:
     return desc
 
 
+def _entries(items: list, where: str, holding: str, fields) -> list[tuple[str, dict]]:
+    """(path, item) for each entry of a choices or levels list: an object with
+    only the known fields."""
+    out = []
+    for j, item in enumerate(items):
+        at = f"{where}[{j}]"
+        if not isinstance(item, dict):
+            raise _err(f"{at} must be an object with {holding}, got {_kind(item)}", at, "invalid_type")
+        for key in item:
+            if key not in fields:
+                raise _err(f"unknown parameter '{at}.{key}'", f"{at}.{key}", "unknown_parameter")
+        out.append((at, item))
+    return out
+
+
 def _choices(items: Any, where: str) -> tuple[tuple[Any, ...], tuple[str | None, ...]]:
     items = _count(items, where, "choices", MIN_CHOICES, MAX_CHOICES)
     values: list[Any] = []
     descriptions: list[str | None] = []
-    for j, item in enumerate(items):
-        at = f"{where}[{j}]"
-        if not isinstance(item, dict):
-            raise _err(f"{at} must be an object with a value, got {_kind(item)}", at, "invalid_type")
-        for key in item:
-            if key not in CHOICE_FIELDS:
-                raise _err(f"unknown parameter '{at}.{key}'", f"{at}.{key}", "unknown_parameter")
+    for at, item in _entries(items, where, "a value", CHOICE_FIELDS):
         if "value" not in item:
             raise _err(f"{at}.value is required", f"{at}.value", "missing_required_parameter")
         value = item["value"]
@@ -427,13 +436,7 @@ def _levels(items: Any, where: str) -> tuple[tuple[str, ...], tuple[str | None, 
     items = _count(items, where, "levels", MIN_LEVELS, MAX_LEVELS)
     labels: list[str] = []
     descriptions: list[str | None] = []
-    for j, item in enumerate(items):
-        at = f"{where}[{j}]"
-        if not isinstance(item, dict):
-            raise _err(f"{at} must be an object with a label, got {_kind(item)}", at, "invalid_type")
-        for key in item:
-            if key not in LEVEL_FIELDS:
-                raise _err(f"unknown parameter '{at}.{key}'", f"{at}.{key}", "unknown_parameter")
+    for at, item in _entries(items, where, "a label", LEVEL_FIELDS):
         label = item.get("label")
         if not isinstance(label, str) or not label:
             raise _err(f"{at}.label must be a non-empty string, got {_kind(label)}", f"{at}.label", "invalid_type")

@@ -83,6 +83,14 @@ def _parse_one(qid: str, spec: Any) -> Question:
     )
 
 
+def _names(qid: str, names: list, what: str, where: str) -> list[str]:
+    """Option or level names: each a non-empty string."""
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise fail(f"question '{qid}': {what} names must be non-empty strings, got {describe(name)}", where)
+    return names
+
+
 def _criteria(qid: str, qtype: str, criteria: Any) -> tuple[tuple[str, ...], tuple[str | None, ...]]:
     where = f"questions.{qid}.criteria"
     if qtype == "noul":
@@ -93,10 +101,8 @@ def _criteria(qid: str, qtype: str, criteria: Any) -> tuple[tuple[str, ...], tup
     if qtype == "choice":
         if not isinstance(criteria, dict):
             raise fail(f"question '{qid}': choice criteria must be an object of option name -> description, got {describe(criteria)}", where)
-        names = list(criteria)
+        names = _names(qid, list(criteria), "option", where)
         for name in names:
-            if not isinstance(name, str) or not name:
-                raise fail(f"question '{qid}': option names must be non-empty strings", where)
             desc = criteria[name]
             if desc is not None and not isinstance(desc, str):
                 raise fail(f"question '{qid}': the description of option '{name}' must be a string or null, got {describe(desc)}", f"{where}.{name}")
@@ -104,10 +110,7 @@ def _criteria(qid: str, qtype: str, criteria: Any) -> tuple[tuple[str, ...], tup
     else:
         if not isinstance(criteria, list):
             raise fail(f"question '{qid}': score criteria must be a list of level names, got {describe(criteria)}", where)
-        names = list(criteria)
-        for name in names:
-            if not isinstance(name, str) or not name:
-                raise fail(f"question '{qid}': level names must be non-empty strings, got {describe(name)}", where)
+        names = _names(qid, list(criteria), "level", where)
         descriptions = (None,) * len(names)
     noun = "options" if qtype == "choice" else "levels"
     if not MIN_ALTERNATIVES <= len(names) <= MAX_ALTERNATIVES:
