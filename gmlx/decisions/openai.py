@@ -266,13 +266,17 @@ def _cache_options(value: Any) -> bool:
     return True
 
 
+def _nonempty_list(value: Any, where: str, of: str) -> None:
+    if not isinstance(value, list):
+        raise _err(f"{where} must be a string or an array of {of}, got {_kind(value)}", where, "invalid_type")
+    if not value:
+        raise _err(f"{where} must not be an empty array", where, "empty_array")
+
+
 def _input(value: Any) -> str:
     if isinstance(value, str):
         return value
-    if not isinstance(value, list):
-        raise _err(f"input must be a string or an array of user messages, got {_kind(value)}", "input", "invalid_type")
-    if not value:
-        raise _err("input must not be an empty array", "input", "empty_array")
+    _nonempty_list(value, "input", "user messages")
     texts = []
     for i, item in enumerate(value):
         where = f"input[{i}]"
@@ -303,11 +307,7 @@ def _text(value: Any, where: str) -> str:
     """A string, or a non-empty array of input_text parts joined with newlines."""
     if isinstance(value, str):
         return value
-    if not isinstance(value, list):
-        raise _err(f"{where} must be a string or an array of input_text parts, got {_kind(value)}", where,
-                   "invalid_type")
-    if not value:
-        raise _err(f"{where} must not be an empty array", where, "empty_array")
+    _nonempty_list(value, where, "input_text parts")
     lines = []
     for j, part in enumerate(value):
         at = f"{where}[{j}]"

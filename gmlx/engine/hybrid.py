@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from .context import Entry
-from .nexttoken import NextTokenReader
+from .nexttoken import NextTokenReader, _common_prefix
 
 
 class HybridPrefixMixin:
@@ -24,7 +24,7 @@ class HybridPrefixMixin:
 
     def _evaluate(self, prompts_tokens: list[list[int]]) -> list[np.ndarray]:  # type: ignore[override]
         shortest = min(len(t) for t in prompts_tokens)
-        lcp = _lcp(prompts_tokens, shortest - 1)  # every tail keeps at least its last token
+        lcp = _common_prefix(prompts_tokens, shortest - 1)  # every tail keeps at least its last token
         prefix = list(prompts_tokens[0][:lcp])
         cached = getattr(self, "_cached", [])
         salt = getattr(self, "_salt", None)  # a prefix is reused only under its own cache_salt
@@ -70,11 +70,3 @@ class HybridNextTokenReader(HybridPrefixMixin, NextTokenReader):
         # NextTokenReader.think decodes on sequence 0 from a cleared cache and
         # clears it afterwards: safe on a recurrent memory as it is.
         return super().think(decision, budget, seed)
-
-
-def _lcp(seqs: list[list[int]], limit: int) -> int:
-    n = 0
-    first = seqs[0]
-    while n < limit and all(s[n] == first[n] for s in seqs[1:]):
-        n += 1
-    return n
