@@ -324,8 +324,14 @@ def test_samples_batched_in_one_decode_equal_single_reads(reader, steps):
     before = reader.forwards
     batched = reader.read_many(reads)
     assert reader.forwards - before <= steps  # all reads share each forward
+    # Not bitwise: the 16-aligned offsets that made packed sequences bit-identical
+    # on the first cut's CPU do not on this project's AMX machines (measured:
+    # label logprobs move by up to ~2e-6). Decisions never pack (one read per
+    # forward), so this only bounds the helper bench/canvas.py measures.
     for s, b in zip(single, batched):
-        assert s.slots == b.slots  # bit-identical
+        assert s.slots.keys() == b.slots.keys()
+        for qid in s.slots:
+            assert b.slots[qid].logprobs == pytest.approx(s.slots[qid].logprobs, abs=1e-4)
 
 
 # -- denoise loop ------------------------------------------------------------------------

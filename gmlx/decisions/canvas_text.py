@@ -140,21 +140,23 @@ def thought_block(tags: tuple[str, str, str], text: str | None) -> str:
 
 # -- built-in turn formats (GGUFs without a chat template) --------------------
 
-TURN_FORMATS = ("gemma", "chatml", "plain")
+# One-turn prompts up to the start of the reply: "gemma" (system text folded
+# into the user turn, as Gemma does), "chatml", or "plain" text for
+# vocabularies with no turn markers.
+TURNS = {
+    "gemma": "<start_of_turn>user\n{system}\n\n{user}<end_of_turn>\n<start_of_turn>model\n",
+    "chatml": "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n",
+    "plain": "{system}\n\nState:\n{user}\n\nAnswer:\n",
+}
+TURN_FORMATS = tuple(TURNS)
 
 
 def turn_prompt(fmt: str, system: str, user: str) -> str:
-    """A one-turn prompt up to the start of the reply, in a built-in format:
-    "gemma" (system text folded into the user turn, as Gemma does), "chatml",
-    or "plain" text for vocabularies with no turn markers."""
-    # The system text and the state are the caller's: plain text (literal.py).
-    if fmt == "gemma":
-        return f"<start_of_turn>user\n{literal(system)}\n\n{literal(user.strip())}<end_of_turn>\n<start_of_turn>model\n"
-    if fmt == "chatml":
-        return f"<|im_start|>system\n{literal(system)}<|im_end|>\n<|im_start|>user\n{literal(user)}<|im_end|>\n<|im_start|>assistant\n"
-    if fmt == "plain":
-        return f"{literal(system)}\n\nState:\n{literal(user)}\n\nAnswer:\n"
-    raise ValueError(f"unknown turn format {fmt!r}")
+    """A one-turn prompt in a built-in format (TURNS). The system text and the
+    state are the caller's: plain text (literal.py)."""
+    if fmt not in TURNS:
+        raise ValueError(f"unknown turn format {fmt!r}")
+    return TURNS[fmt].format(system=literal(system), user=literal(user.strip() if fmt == "gemma" else user))
 
 
 # The token that ends the reply in each built-in format (None: the vocabulary's eos).

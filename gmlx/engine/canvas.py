@@ -53,9 +53,10 @@ canvases, one after the other, until the close tag or the budget.
 Several reads (samples) can share one llama_decode as separate sequences
 (`read_many`). Every sequence of a forward starts at a batch offset that is a
 multiple of 16, and the batch is filled up to a multiple of 16 with a filler
-sequence: on llama.cpp's CPU backend the numbers of a sequence are then
-bit-identical whatever else shares its decode (measured; without the
-alignment they move by ~2e-6). Packing does not pay on the CPU, though:
+sequence; on one CPU that made a sequence's numbers bit-identical whatever else
+shared its decode, on others (AVX-512/AMX machines) they still move by ~2e-6,
+so decisions never pack: batch invariance needs one read per forward. Packing
+does not pay on the CPU anyway:
 llama.cpp's encoder path attends over the whole batch (other sequences are
 masked, not skipped), so k packed reads cost about k times the attention of
 k separate ones; the decision core reads one sample per call.
