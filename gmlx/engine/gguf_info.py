@@ -229,9 +229,11 @@ def unsupported_note(arch: str) -> str:
     return f"the installed llama.cpp does not know the architecture {arch!r}; {how}"
 
 
-# Loads a header-only GGUF in a child process (a failed load must not take
-# this process's llama.cpp state with it) and reports llama.cpp's verdict.
-_PROBE = r"""
+# Loads a GGUF in a child process, so that a failed load (or a GGML_ASSERT,
+# which aborts) cannot take the caller with it: `arch` loads a header-only file
+# and reports whether llama.cpp knew the architecture; `vocab` reads only the
+# vocabulary (model.probe_vocab) and reports whether llama.cpp accepted it.
+CHILD_LOAD = r"""
 import ctypes, sys
 import llama_cpp
 msgs = []
@@ -239,12 +241,17 @@ msgs = []
 def _cb(level, text, user_data):
     msgs.append(text.decode(errors="replace") if text else "")
 llama_cpp.llama_log_set(_cb, ctypes.c_void_p())
+llama_cpp.llama_backend_init()
 p = llama_cpp.llama_model_default_params()
 p.n_gpu_layers = 0
+p.vocab_only = sys.argv[2] == "vocab"
 m = llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), p)
 if m:
     llama_cpp.llama_model_free(m)
-print("UNKNOWN" if "unknown model architecture" in "".join(msgs) else "KNOWN")
+if sys.argv[2] == "vocab":
+    print("LOADED" if m else "REFUSED")
+else:
+    print("UNKNOWN" if "unknown model architecture" in "".join(msgs) else "KNOWN")
 """
 
 
@@ -280,7 +287,8 @@ def probe_arch(arch: str) -> bool:
         w.write_tensors_to_file()
         w.close()
         try:
-            r = subprocess.run([sys.executable, "-c", _PROBE, str(probe)], capture_output=True, text=True, timeout=120)
+            r = subprocess.run([sys.executable, "-c", CHILD_LOAD, str(probe), "arch"], capture_output=True, text=True,
+                               timeout=120)
         except (OSError, subprocess.TimeoutExpired):
             return True  # cannot tell: let a real load decide
         lines = r.stdout.strip().splitlines()

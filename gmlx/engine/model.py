@@ -17,7 +17,7 @@ import llama_cpp
 from ..decisions.literal import segments as literal_segments
 from ..errors import ModelFileMissing, ModelLoadError
 from .chat import ChatTemplate, choose_template
-from .gguf_info import DIFFUSION_ARCHS, llama_supports_arch, read_info, strategy_problem, unsupported_note
+from .gguf_info import CHILD_LOAD, DIFFUSION_ARCHS, llama_supports_arch, read_info, strategy_problem, unsupported_note
 
 log = logging.getLogger("gmlx.engine")
 
@@ -407,25 +407,6 @@ def load_model(model_id: str, path: Path, settings: dict[str, Any], isolate_voca
     return m
 
 
-# Reads a GGUF's vocabulary (no weights) in a child process; a GGML_ASSERT there
-# aborts the child, not the caller.
-_VOCAB_PROBE = r"""
-import ctypes, sys
-import llama_cpp
-@llama_cpp.llama_log_callback
-def _quiet(level, text, user_data):
-    pass
-llama_cpp.llama_log_set(_quiet, ctypes.c_void_p(0))
-llama_cpp.llama_backend_init()
-p = llama_cpp.llama_model_default_params()
-p.n_gpu_layers = 0
-p.vocab_only = True
-m = llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), p)
-if m:
-    llama_cpp.llama_model_free(m)
-print("LOADED" if m else "REFUSED")
-"""
-
 _probed: dict[tuple[str, int, int], str | None] = {}
 _probe_lock = threading.Lock()
 
@@ -449,7 +430,9 @@ def probe_vocab(path: Path, timeout: float = 300.0) -> str | None:
             return _probed[key]
     env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
     try:
-        r = subprocess.run([sys.executable, "-c", _VOCAB_PROBE, str(path)], capture_output=True, text=True,
+        # Only the vocabulary, in a child process (gguf_info.CHILD_LOAD): a GGML_ASSERT there
+        # aborts the child, not the caller.
+        r = subprocess.run([sys.executable, "-c", CHILD_LOAD, str(path), "vocab"], capture_output=True, text=True,
                            timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return f"reading its vocabulary took longer than {timeout:g} s"
