@@ -1,6 +1,24 @@
 """The decision core: pure Python, no llama.cpp.
 
-request.parse_decision validates a body into a Decision; run.admit checks it
-against a Reader before queueing; run.decide answers it. openai.parse_openai maps a body of OpenAI's
-Decisions API (POST /v1/decisions) onto the same Decision, and its answers back.
+A decision flows one way through five steps, each with its home:
+
+1. **parse** - `request.parse_decision` (and `openai.parse_openai` for OpenAI's
+   Decisions API) validates a body into a `types.Decision`; `questions.py`,
+   `labels.py` and `fields.py` check its parts.
+2. **plan** - `plan.make_plan` orders the questions into stages (`ask_if`,
+   dependencies) and `plan.chunk_stage` splits a stage into canvas chunks;
+   `run.admit` runs every check that can be done before queueing.
+3. **read** - `runner.run_pass` walks the plan stage by stage; for each chunk
+   `sampling.read_chunk` asks the `Reader` (the engine, behind the protocol in
+   `types.py`) for one distinct read per sample, each question listed in its
+   balanced order (`orders.py`), and `calibration.py` reads the content-free
+   priors. `seeds.py` derives every seed.
+4. **aggregate** - `sampling.py` maps each read back to option names (and
+   divides by the prior); `answers.py` and `stats.py` average the distinct reads
+   into answers and diagnostics.
+5. **respond** - `run.decide` runs the passes (twice for think "auto"), and
+   builds the response body: answers, usage, diagnostics.
+
+Prompt text lives in `prompts.py` (next-token) and `canvas_text.py` (canvas);
+`literal.py` marks the caller's text so it is tokenized as plain text.
 """
