@@ -167,6 +167,10 @@ class ModelManager:
         if slot.state == "failed" and slot.failed_stamp != _stamp(path):
             log.info("model file of %s changed since its failed load: loading again", slot.name)
             slot.state, slot.error, slot.info = "unloaded", None, {}
+        if slot.state == "ready" and (self.stopping or self.draining):
+            from ..errors import Overloaded
+
+            raise Overloaded("the server is shutting down", retry_after=1)
         if slot.state == "ready":
             return slot
         if slot.state == "failed":

@@ -127,8 +127,8 @@ class Worker:
             _settle(job.future, exc=Overloaded(reason, retry_after=RETRY_MIN_S))
 
     def drain(self) -> None:
-        """Refuse new decisions (503), keep answering the queued and running ones;
-        the threads exit once the queue is empty."""
+        """Refuse new decisions (503), keep answering the queued and running ones
+        (the threads keep the model until stop())."""
         with self._cond:
             self._draining = True
             self._cond.notify_all()
@@ -265,12 +265,12 @@ class Worker:
             with self._cond:
                 self._idle += 1
                 try:
-                    while not self._queue and not self._stopping and not self._draining:
+                    while not self._queue and not self._stopping:
                         self._cond.wait()
                 finally:
                     self._idle -= 1
                 if not self._queue:
-                    return  # stopping or drained, nothing left
+                    return  # stopping, nothing left
                 job = self._queue.popleft()
                 job.started = time.monotonic()
                 self._running.add(job)
