@@ -96,9 +96,15 @@ def test_back_pressure_counts_every_context(tmp_path, gemma_path):
             out[i] = s.post(long_body(n=4, samples=3))
 
         threads = [threading.Thread(target=go, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
         deadline = time.monotonic() + 30
+        for k, t in enumerate(threads):  # one at a time: each taken up before the next arrives
+            t.start()
+            while True:
+                q = s.health()["models"]["gemma"]["slots"]["default"]["queue"]
+                if q["in_flight"] + q["waiting"] >= k + 1:
+                    break
+                assert time.monotonic() < deadline, q
+                time.sleep(0.01)
         while True:
             q = s.health()["models"]["gemma"]["slots"]["default"]["queue"]
             if q["in_flight"] == 2 and q["waiting"] == 1:
