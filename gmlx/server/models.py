@@ -30,6 +30,7 @@ from ..errors import (
     NoModelSpecified,
     ServerError,
 )
+from .shared import SharedModels, weights_key
 from .worker import Worker
 
 log = logging.getLogger("gmlx.server")
@@ -102,7 +103,8 @@ class ModelManager:
         self.draining = False
         self.preloading = False
         self.metrics = None  # gmlx.server.metrics.Metrics, set by the app
-        self.loaded_models: dict[str, Any] = {}  # model id -> shared loaded model (issue 16)
+        # Loaded models, shared by the profiles that load the same weights (shared.py).
+        self.models = SharedModels()
 
     # -- SPEC 6.2 --------------------------------------------------------------
     def resolve(self, name: str | None) -> str:
@@ -210,7 +212,8 @@ class ModelManager:
             from ..engine import open_reader
             from ..engine.model import load_model
 
-            lm = load_model(model_id, path, load_settings, isolate_vocab=True)
+            lm = self.models.acquire(weights_key(model_id, path, load_settings),
+                                     lambda: load_model(model_id, path, load_settings, isolate_vocab=True))
             try:
                 reader = open_reader(lm, read_settings, canvas=canvas)
             except GmlxError as err:  # 501 not_implemented: no read strategy
