@@ -49,8 +49,9 @@ def test_profiles_share_the_weights(server):
     # Two more contexts on the same llama_model cost their KV and buffers only;
     # a profile that loads the weights its own way costs a copy of them (~240 MiB).
     print(f"RSS: two context-only profiles +{shared:.0f} MiB, a profile loading its own weights +{separate:.0f} MiB")
-    assert shared < 120, shared
-    assert separate > 150, separate
-    assert separate > 2 * shared
+    # Measured: +111 MiB for the two shared profiles, +328 MiB for the separate
+    # one; without sharing the two cost +662 MiB.
+    assert shared < 200, shared
+    assert separate > shared + 150, (shared, separate)
     # Same numbers: the context settings do not change this short prompt's read.
     assert base["answers"] == short["answers"] == long_["answers"] == apart["answers"]
