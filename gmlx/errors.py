@@ -29,6 +29,14 @@ class InvalidRequest(GmlxError):
     type = "invalid_request_error"
 
 
+class ClientClosed(GmlxError):
+    """The client went away before its decision was answered (nginx's 499).
+    Nobody may read it, but a proxy or a log does: it keeps the envelope."""
+
+    status = 499
+    type = "client_closed_request"
+
+
 class UnknownProfile(GmlxError):
     status = 400
     type = "unknown_profile"

@@ -35,10 +35,10 @@ from starlette.requests import ClientDisconnect
 from .. import __version__ as gmlx_version
 from ..config import Config
 from ..decisions.run import admit
-from ..errors import AuthenticationError, Cancelled, GmlxError, ServerError, Timeout
+from ..errors import AuthenticationError, Cancelled, ClientClosed, GmlxError, InvalidRequest, ServerError, Timeout
 from . import body as bodies
 from . import schema as schemas
-from .errors import EnvelopeMiddleware, error_response, id_headers, install, new_request_id
+from .errors import EnvelopeMiddleware, error_response, id_headers, install
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .models import ModelManager
@@ -228,7 +228,7 @@ def create_app(cfg: Config, preload: bool = False) -> FastAPI:
         except ClientDisconnect:
             stats.disconnects += 1
             log.info("client went away while sending its body")
-            return Response(status_code=400)
+            return error_response(InvalidRequest("the client closed the connection before sending the whole body"))
         except Cancelled:
             result = None
         except GmlxError as err:
@@ -248,7 +248,7 @@ def create_app(cfg: Config, preload: bool = False) -> FastAPI:
             stats.disconnects += 1
             log.info("client went away: decision on %s cancelled after %.0f ms",
                      slot.name if slot else "?", (time.monotonic() - t0) * 1000)
-            return Response(status_code=499)
+            return error_response(ClientClosed("the client closed the connection; the decision was cancelled"))
         try:
             content = route.respond(result)
         except Exception as err:  # noqa: BLE001 - a response the route cannot shape is the server's fault
