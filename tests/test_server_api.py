@@ -447,3 +447,15 @@ def test_sigterm_finishes_the_running_decision_and_refuses_the_queued_one(server
     check_decision(results["running"])
     assert server.proc.wait(30) is not None
     assert "Application shutdown complete" in server.log()
+
+
+def test_trace_context_is_logged_with_the_decision(server):
+    tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    r = server.post(noul_body(), headers={"traceparent": tp, "tracestate": "vendor=abc,other=1"})
+    body = check_decision(r)
+    line = next(ln for ln in server.log().splitlines() if f"decision {body['id']} " in ln)
+    assert f"traceparent={tp}" in line and "tracestate=vendor=abc,other=1" in line
+    # Without the headers the line carries none.
+    plain = check_decision(server.post(noul_body()))
+    line = next(ln for ln in server.log().splitlines() if f"decision {plain['id']} " in ln)
+    assert "traceparent" not in line

@@ -118,6 +118,19 @@ class RequestMetricsMiddleware:
             self.metrics.request(route, status["code"] or 499)
 
 
+def _trace(request: Request) -> str:
+    """W3C trace context of the request, for following it through a proxy:
+    " traceparent=... tracestate=..." (each only when sent; values cut to
+    their spec's size and stripped of anything but printable ASCII)."""
+    out = ""
+    for name, limit in (("traceparent", 55), ("tracestate", 512)):
+        value = request.headers.get(name)
+        if value:
+            clean = "".join(c for c in value[:limit] if 32 < ord(c) < 127)
+            out += f" {name}={clean}"
+    return out
+
+
 def create_app(cfg: Config, preload: bool = False) -> FastAPI:
     from ..engine.media import configure as configure_media
 
@@ -260,10 +273,10 @@ def create_app(cfg: Config, preload: bool = False) -> FastAPI:
         timing = result["diagnostics"]["timing"]
         note = route.note()
         log.info(
-            "decision %s model=%s%s %s reads=%d ms=%.0f queue_ms=%.0f%s",
+            "decision %s model=%s%s %s reads=%d ms=%.0f queue_ms=%.0f%s%s",
             result["id"], model_id, f"@{profile}" if profile else "", _summary(result),
             timing.get("reads", 0), (time.monotonic() - t0) * 1000, timing.get("queue_ms", 0),
-            f" {note}" if note else "",
+            f" {note}" if note else "", _trace(request),
         )
         return _json_response(content, headers=id_headers(result["id"]))
 
