@@ -42,7 +42,7 @@ from .errors import EnvelopeMiddleware, error_response, id_headers, install
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .models import ModelManager
-from .openai_decisions import OpenAIDecisionsRoute, SystemOneRoute
+from .routes import OpenAIDecisionsRoute, SystemOneRoute
 
 log = logging.getLogger("gmlx.server")
 

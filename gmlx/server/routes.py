@@ -1,6 +1,7 @@
-"""`POST /v1/decisions`: OpenAI's Decisions API on the decision path of /v1/systemone (SPEC 8).
+"""The decision routes: what `/v1/systemone` (and `/systemone`) and
+`POST /v1/decisions` (OpenAI's Decisions API, SPEC 8) do differently.
 
-The route runs the same handler as /v1/systemone (`app.serve_decision`): auth,
+Both run the same handler (`app.serve_decision`): auth,
 body reading (size limit, gzip/zstd), model resolution, lazy load, admission,
 the model's queue with back-pressure and timeouts, cancellation, the error
 mapping. What differs is at its two ends, which this adapter supplies:
