@@ -4,7 +4,6 @@ depend on what was read before it or beside it (SPEC 4.5), compared bitwise."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-import numpy as np
 import pytest
 
 from gmlx.config import LOAD_DEFAULTS

@@ -5,7 +5,6 @@ shared-prefix equality and determinism."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np

@@ -10,10 +10,8 @@ that is deleted after it loads (404 model_file_missing while others serve).
 from __future__ import annotations
 
 import gzip
-import json
 import math
 import re
-import shutil
 import signal
 import sys
 import threading

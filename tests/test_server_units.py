@@ -93,15 +93,20 @@ def test_worker_back_pressure_and_retry_after():
     assert w.join(5)
 
 
+def _retry_after(w) -> int:
+    with w._cond:
+        return w._retry_after_locked()
+
+
 def test_retry_after_grows_with_service_time_and_is_capped():
     w = make_worker(SlowReader())
     w._service_s.extend([1.6] * 4)
-    assert w.retry_after() == 2
+    assert _retry_after(w) == 2
     w._service_s.extend([30.0] * 16)
-    assert w.retry_after() == 5
+    assert _retry_after(w) == 5
     w._service_s.clear()
     w._service_s.extend([0.01] * 4)
-    assert w.retry_after() == 1
+    assert _retry_after(w) == 1
     w.stop()
 
 

@@ -94,7 +94,6 @@ import functools
 import mmap
 import os
 import struct
-import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any

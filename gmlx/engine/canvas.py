@@ -215,10 +215,8 @@ class CanvasReader:
         self.fixed_width = lm.canvas_length if (lm.canvas_length and lm.architecture == "diffusion-gemma") else None
         # PR #24423 also exports prompt-cache phases (`llama_diffusion_set_phase`:
         # prefill the prompt once, then decode only the canvas). They match the unified
-        # forward only to float round-off, so reads keep the unified forward: the
-        # same numbers whichever way a read is split into steps.
-        lib = getattr(getattr(llama_cpp, "llama_cpp", None), "_lib", None)
-        self.has_phases = self.dg and hasattr(lib, "llama_diffusion_set_phase")
+        # forward only to float round-off, so reads keep the unified forward (the
+        # same numbers whichever way a read is split into steps) and do not use them.
         self.schedule = schedule or denoise.Schedule.from_meta(lm.meta)
 
         self.template_fmt = lm.chat_template

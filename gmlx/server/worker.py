@@ -190,10 +190,6 @@ class Worker:
         rounds = math.ceil(max(1, ahead) / max(1, self.contexts or self.parallel))
         return int(min(RETRY_MAX_S, max(RETRY_MIN_S, math.ceil(mean * rounds))))
 
-    def retry_after(self) -> int:
-        with self._cond:
-            return self._retry_after_locked()
-
     def snapshot(self) -> dict[str, Any]:
         with self._cond:
             return {
