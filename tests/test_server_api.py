@@ -102,6 +102,18 @@ def test_ticket_on_both_routes_gives_the_same_answers(server):
     assert re.search(rf"decision {a['id']} model=gemma urgent=\S+ team=\w+\(\S+\) .*queue_ms=", log), log[-2000:]
 
 
+def test_trace_context_is_logged_with_the_decision(server):
+    tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    r = server.post(noul_body(), headers={"traceparent": tp, "tracestate": "vendor=abc,other=1"})
+    body = check_decision(r)
+    line = next(ln for ln in server.log().splitlines() if f"decision {body['id']} " in ln)
+    assert f"traceparent={tp}" in line and "tracestate=vendor=abc,other=1" in line
+    # Without the headers the line carries none.
+    plain = check_decision(server.post(noul_body()))
+    line = next(ln for ln in server.log().splitlines() if f"decision {plain['id']} " in ln)
+    assert "traceparent" not in line
+
+
 @pytest.mark.parametrize("name", ["jev-latest", "typesafe/jev-1.13", None, "jev", "gemma"])
 def test_model_names_fall_back_to_the_systemone_model(server, name):
     body = noul_body() if name is None else noul_body(model=name)
@@ -446,14 +458,3 @@ def test_sigterm_finishes_the_running_decision_and_refuses_the_queued_one(server
     assert server.proc.wait(30) is not None
     assert "Application shutdown complete" in server.log()
 
-
-def test_trace_context_is_logged_with_the_decision(server):
-    tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-    r = server.post(noul_body(), headers={"traceparent": tp, "tracestate": "vendor=abc,other=1"})
-    body = check_decision(r)
-    line = next(ln for ln in server.log().splitlines() if f"decision {body['id']} " in ln)
-    assert f"traceparent={tp}" in line and "tracestate=vendor=abc,other=1" in line
-    # Without the headers the line carries none.
-    plain = check_decision(server.post(noul_body()))
-    line = next(ln for ln in server.log().splitlines() if f"decision {plain['id']} " in ln)
-    assert "traceparent" not in line

@@ -266,22 +266,20 @@ def _cache_options(value: Any) -> bool:
     return True
 
 
-def _nonempty_list(value: Any, where: str, of: str) -> None:
+def _objects(value: Any, where: str, of: str, each: str) -> list[tuple[str, dict]]:
+    """(path, item) of a non-empty array of objects (input messages, content parts)."""
     if not isinstance(value, list):
         raise _err(f"{where} must be a string or an array of {of}, got {_kind(value)}", where, "invalid_type")
     if not value:
         raise _err(f"{where} must not be an empty array", where, "empty_array")
+    return _each_object(value, where, each)
 
 
 def _input(value: Any) -> str:
     if isinstance(value, str):
         return value
-    _nonempty_list(value, "input", "user messages")
     texts = []
-    for i, item in enumerate(value):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise _err(f"{where} must be a message object, got {_kind(item)}", where, "invalid_type")
+    for where, item in _objects(value, "input", "user messages", "a message object"):
         kind = item.get("type")
         if kind in TOOL_ITEMS:
             raise _err(f"{where}: {kind} items are not supported (no tools); send user messages", f"{where}.type",
@@ -307,12 +305,8 @@ def _text(value: Any, where: str) -> str:
     """A string, or a non-empty array of input_text parts joined with newlines."""
     if isinstance(value, str):
         return value
-    _nonempty_list(value, where, "input_text parts")
     lines = []
-    for j, part in enumerate(value):
-        at = f"{where}[{j}]"
-        if not isinstance(part, dict):
-            raise _err(f"{at} must be an input_text part, got {_kind(part)}", at, "invalid_type")
+    for at, part in _objects(value, where, "input_text parts", "an input_text part"):
         kind = part.get("type")
         if kind == "input_image":
             raise _err(f"{at}: images are not supported: the served models read text only", f"{at}.type",
@@ -401,14 +395,20 @@ def _description(item: dict, where: str) -> str | None:
 def _entries(items: list, where: str, holding: str, fields) -> list[tuple[str, dict]]:
     """(path, item) for each entry of a choices or levels list: an object with
     only the known fields."""
-    out = []
-    for j, item in enumerate(items):
-        at = f"{where}[{j}]"
-        if not isinstance(item, dict):
-            raise _err(f"{at} must be an object with {holding}, got {_kind(item)}", at, "invalid_type")
+    out = _each_object(items, where, f"an object with {holding}")
+    for at, item in out:
         for key in item:
             if key not in fields:
                 raise _err(f"unknown parameter '{at}.{key}'", f"{at}.{key}", "unknown_parameter")
+    return out
+
+
+def _each_object(items: list, where: str, each: str) -> list[tuple[str, dict]]:
+    out = []
+    for i, item in enumerate(items):
+        at = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise _err(f"{at} must be {each}, got {_kind(item)}", at, "invalid_type")
         out.append((at, item))
     return out
 

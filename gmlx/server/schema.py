@@ -67,38 +67,28 @@ def components(settings: DecisionSettings, profiles: list[str]) -> dict[str, Any
             "alone": {"type": "boolean"},
         },
     }
-    choice = {
-        **noul,
-        "required": ["type", "criteria"],
-        "properties": {
-            **noul["properties"],
-            "type": {"const": "choice"},
-            "criteria": {
-                "type": "object",
-                "description": "option name -> description (or null), in request order",
-                "minProperties": MIN_ALTERNATIVES,
-                "maxProperties": MAX_ALTERNATIVES,
-                "propertyNames": option_name,
-                "additionalProperties": opt_text,
-            },
-        },
-    }
-    score = {
-        **noul,
-        "required": ["type", "criteria"],
-        "properties": {
-            **noul["properties"],
-            "type": {"const": "score"},
-            "criteria": {
-                "type": "array",
-                "description": "level names, lowest first",
-                "minItems": MIN_ALTERNATIVES,
-                "maxItems": MAX_ALTERNATIVES,
-                "uniqueItems": True,
-                "items": option_name,
-            },
-        },
-    }
+
+    def typed(qtype: str, criteria: dict) -> dict:
+        """A choice or a score: a noul's fields with criteria required."""
+        return {**noul, "required": ["type", "criteria"],
+                "properties": {**noul["properties"], "type": {"const": qtype}, "criteria": criteria}}
+
+    choice = typed("choice", {
+        "type": "object",
+        "description": "option name -> description (or null), in request order",
+        "minProperties": MIN_ALTERNATIVES,
+        "maxProperties": MAX_ALTERNATIVES,
+        "propertyNames": option_name,
+        "additionalProperties": opt_text,
+    })
+    score = typed("score", {
+        "type": "array",
+        "description": "level names, lowest first",
+        "minItems": MIN_ALTERNATIVES,
+        "maxItems": MAX_ALTERNATIVES,
+        "uniqueItems": True,
+        "items": option_name,
+    })
     think = {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_THINK}, {"const": "auto"}]}
     systemone_request = {
         "type": "object",
@@ -192,44 +182,16 @@ def components(settings: DecisionSettings, profiles: list[str]) -> dict[str, Any
         "additionalProperties": False,
         "properties": {"type": {"const": "predicate"}, "instructions": content, "name": name},
     }
-    choice_q = {
-        **predicate_q,
-        "required": ["type", "instructions", "choices"],
-        "properties": {
-            **predicate_q["properties"],
-            "type": {"const": "choice"},
-            "choices": {
-                "type": "array",
-                "minItems": MIN_CHOICES,
-                "maxItems": MAX_CHOICES,
-                "items": {
-                    "type": "object",
-                    "required": ["value"],
-                    "additionalProperties": False,
-                    "properties": {"value": {"type": ["string", "boolean"]}, "description": opt_text},
-                },
-            },
-        },
-    }
-    score_q = {
-        **predicate_q,
-        "required": ["type", "instructions", "levels"],
-        "properties": {
-            **predicate_q["properties"],
-            "type": {"const": "score"},
-            "levels": {
-                "type": "array",
-                "minItems": MIN_LEVELS,
-                "maxItems": MAX_LEVELS,
-                "items": {
-                    "type": "object",
-                    "required": ["label"],
-                    "additionalProperties": False,
-                    "properties": {"label": {"type": "string", "minLength": 1}, "description": opt_text},
-                },
-            },
-        },
-    }
+    def listed_q(qtype: str, field: str, low: int, high: int, key: str, key_schema: dict) -> dict:
+        """A choice or score question: a predicate's fields plus its list of alternatives."""
+        entry = {"type": "object", "required": [key], "additionalProperties": False,
+                 "properties": {key: key_schema, "description": opt_text}}
+        return {**predicate_q, "required": ["type", "instructions", field],
+                "properties": {**predicate_q["properties"], "type": {"const": qtype},
+                               field: {"type": "array", "minItems": low, "maxItems": high, "items": entry}}}
+
+    choice_q = listed_q("choice", "choices", MIN_CHOICES, MAX_CHOICES, "value", {"type": ["string", "boolean"]})
+    score_q = listed_q("score", "levels", MIN_LEVELS, MAX_LEVELS, "label", {"type": "string", "minLength": 1})
     openai_request = {
         "type": "object",
         "description": "OpenAI's Decisions API request (SPEC 8); unknown fields are refused (400).",

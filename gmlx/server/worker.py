@@ -302,27 +302,23 @@ class Worker:
                 raise self.timeout_error()
             body["diagnostics"]["timing"]["queue_ms"] = round(job.queue_ms, 3)
             job.result = body
-            self._count("served")
-            self._done(job, "served")
-            _settle(job.future, result=body)
+            self._finish(job, "served", "served", result=body)
         except Cancelled as err:
-            self._count("cancelled")
-            self._done(job, "cancelled")
-            _settle(job.future, exc=err)
+            self._finish(job, "cancelled", "cancelled", exc=err)
         except Timeout as err:
-            self._count("timeouts")
-            self._done(job, "timeout")
-            _settle(job.future, exc=err)
+            self._finish(job, "timeouts", "timeout", exc=err)
         except GmlxError as err:
-            self._count("failed")
-            self._done(job, "failed")
-            _settle(job.future, exc=err)
+            self._finish(job, "failed", "failed", exc=err)
         except Exception as err:  # noqa: BLE001 - an engine failure must not stop the worker
-            self._count("failed")
-            self._done(job, "failed")
             log.exception("decision on %s failed in the engine", self.name)
-            _settle(job.future, exc=ServerError(
+            self._finish(job, "failed", "failed", exc=ServerError(
                 f"the engine failed on model {self.model_id!r}: {type(err).__name__}: {err}", param="model"))
+
+    def _finish(self, job, count: str, outcome: str, result=None, exc: BaseException | None = None) -> None:
+        """Count the job, report its outcome, and settle its future."""
+        self._count(count)
+        self._done(job, outcome)
+        _settle(job.future, result=result, exc=exc)
 
     def _count(self, key: str) -> None:
         with self._cond:
