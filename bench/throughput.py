@@ -107,7 +107,10 @@ async def soak(url: str, pid: int, seconds: float) -> dict:
 
     async with httpx.AsyncClient() as c:
         await asyncio.gather(watch(), *(client(c) for _ in range(4)))
-    warm = samples[min(2, len(samples) - 1)][1]
+    # Warm-up: the first third of the run (at most 3 minutes), the time the
+    # contexts' prefix caches (prefix_cache_mib each) take to fill under this traffic.
+    warm_at = min(180.0, seconds / 3)
+    warm = next((r for t, r in samples if t >= warm_at), samples[-1][1])
     last = samples[-1][1]
     return {"seconds": seconds, "errors": errors, "rss_after_warmup_mib": warm, "rss_end_mib": last,
             "growth_pct": round(100 * (last - warm) / warm, 1), "samples": samples}
@@ -156,8 +159,10 @@ def main() -> None:
     print(f"errors: {errs}")
     if "soak" in par:
         sk = par["soak"]
-        print(f"soak {sk['seconds']:.0f} s mixed traffic (4 clients): RSS {sk['rss_after_warmup_mib']} -> "
-              f"{sk['rss_end_mib']} MiB ({sk['growth_pct']:+.1f}%), errors {sk['errors']}")
+        print(f"soak {sk['seconds']:.0f} s mixed traffic (4 clients): RSS after warm-up {sk['rss_after_warmup_mib']} -> "
+              f"{sk['rss_end_mib']} MiB at the end ({sk['growth_pct']:+.1f}%), errors {sk['errors']}")
+        minute = [f"{t:.0f}s {r}" for t, r in sk["samples"] if int(t) % 60 < 5]
+        print("RSS by minute (MiB): " + ", ".join(minute))
     if a.json:
         a.json.write_text(json.dumps({"parallel_1": base, f"parallel_{a.parallel}": par}, indent=1))
 

@@ -58,6 +58,8 @@ def test_ticket_on_both_routes(server):
     assert a["model"] == b["model"] == "dgemma"
     assert a["answers"] == b["answers"]
     assert a["diagnostics"]["strategy"] == "canvas"
+    # The engine says self-conditioning was used (the llama-dg library has llama_diffusion_set_sc).
+    assert a["diagnostics"]["self_conditioning"] == "on"
     assert list(a["answers"]) == ["urgent", "team", "severity", "refund"]
     team = a["answers"]["team"]["choice"]
     if team == "billing":
