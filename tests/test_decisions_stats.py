@@ -53,7 +53,8 @@ def test_seeds_are_31_bit_and_distinct():
     seeds = {sample_seed(42, s, c, k) for s in range(3) for c in range(3) for k in range(4)}
     assert len(seeds) == 36
     assert all(0 <= x < 2**31 for x in seeds)
-    assert sample_seed(42, 0, 0, 0) == sample_seed(42, 0, 0, 0)
+    # Fixed by (seed, place) across processes and machines: blake2b, not Python's hash().
+    assert sample_seed(42, 0, 0, 0) == derive_seed(42, "read", 0, 0, 0) == 1199989883
     assert sample_seed(42, 0, 0, 0) != sample_seed(43, 0, 0, 0)
     assert thought_seed(42) == derive_seed(42, "think") != sample_seed(42, 0, 0, 0)
 
