@@ -553,6 +553,24 @@ class _Writer(gguf.GGUFWriter):
         return super()._pack_val(val, vtype, add_vtype, sub_type)
 
 
+def _target(path: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """The GGUF's path (its folder made) and the temporary name it is written under."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path, path.with_name(path.name + f".tmp{os.getpid()}")
+
+
+def _write_and_move(w: gguf.GGUFWriter, tmp: Path, path: Path) -> Path:
+    """Write the file under its temporary name, then move it into place (a
+    reader never sees half a GGUF, and two test processes never collide)."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, path)
+    return path
+
+
 def _add_kv(w: gguf.GGUFWriter, key: str, val: Any) -> None:
     if isinstance(val, bool):
         w.add_bool(key, val)
@@ -605,9 +623,7 @@ def build_gguf(
     jitter = float(o.get("norm_jitter", 0.1))
     n_vocab = len(voc)
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    path, tmp = _target(path)
     w = _Writer(str(tmp), arch)
     w.add_name(str(o.get("name", f"tiny-{arch}-v{n_vocab}-s{seed}")))
     w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
@@ -706,12 +722,7 @@ def build_gguf(
         if spec.post_norms:
             w.add_tensor(b + "post_ffw_norm.weight", norm_w(n_embd))
 
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, path)
-    return path
+    return _write_and_move(w, tmp, path)
 
 
 def build_llada(path: str | os.PathLike[str], vocab: str | Vocab = "tiny", seed: int = 0, **overrides: Any) -> Path:
@@ -768,9 +779,7 @@ def build_diffusion_gemma(path: str | os.PathLike[str], vocab: str | Vocab = "ti
     E, L, H, HKV, HD, F, X, XU, FE = 64, 2, 4, 2, 16, 128, 4, 2, 32
     voc = _resolve_vocab(vocab, "user_defined").with_tokens(DG_TOKENS)
     n_vocab = len(voc)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    path, tmp = _target(path)
     w = _Writer(str(tmp), a)
     w.add_name(f"tiny-diffusion-gemma-c{canvas_length}-s{seed}" + ("-eb" if eb_keys else ""))
     w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
@@ -856,12 +865,7 @@ def build_diffusion_gemma(path: str | os.PathLike[str], vocab: str | Vocab = "ti
         t(p + "ffn_gate_exps.weight", X, FE, E, scale=E ** -0.5)
         t(p + "ffn_up_exps.weight", X, FE, E, scale=E ** -0.5)
         t(p + "ffn_down_exps.weight", X, E, FE, scale=FE ** -0.5)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, path)
-    return path
+    return _write_and_move(w, tmp, path)
 
 
 def shared_dir() -> Path:

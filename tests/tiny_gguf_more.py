@@ -42,7 +42,7 @@ import gguf
 import numpy as np
 from gguf import GGUFValueType
 
-from tiny_gguf import QWEN3_CHAT_TEMPLATE, TokenType, Vocab, _Writer, tiny_vocab
+from tiny_gguf import QWEN3_CHAT_TEMPLATE, TokenType, Vocab, _add_kv, _target, _Writer, _write_and_move, tiny_vocab
 
 # Chat tokens per architecture (appended to the tiny vocabulary when missing).
 CHATML_TOKENS = [
@@ -217,9 +217,7 @@ def build_more(path: str | os.PathLike[str], arch: str, seed: int = 0, chat_temp
     else:
         raise ValueError(f"no tiny builder for {arch!r}")
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    path, tmp = _target(path)
     w = _Writer(str(tmp), arch)
     w.add_name(f"tiny-{arch}-s{seed}")
     w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
@@ -234,14 +232,7 @@ def build_more(path: str | os.PathLike[str], arch: str, seed: int = 0, chat_temp
         else:
             w.add_uint32(key, int(v))
     for k, v in (extra_kv or {}).items():
-        if isinstance(v, str):
-            w.add_string(k, v)
-        elif isinstance(v, bool):
-            w.add_bool(k, v)
-        elif isinstance(v, float):
-            w.add_float32(k, v)
-        else:
-            w.add_uint32(k, int(v))
+        _add_kv(w, k, v)
     w.add_tokenizer_model(voc.model)
     w.add_key_value(gguf.Keys.Tokenizer.LIST, list(voc.tokens), GGUFValueType.ARRAY, sub_type=GGUFValueType.STRING)
     w.add_key_value(gguf.Keys.Tokenizer.SCORES, list(voc.scores), GGUFValueType.ARRAY, sub_type=GGUFValueType.FLOAT32)
@@ -259,12 +250,7 @@ def build_more(path: str | os.PathLike[str], arch: str, seed: int = 0, chat_temp
         w.add_chat_template(tmpl)
     for name, arr in tensors:
         w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, path)
-    return path
+    return _write_and_move(w, tmp, path)
 
 
 def build_qwen35(path, seed: int = 0, **kw) -> Path:
@@ -301,9 +287,7 @@ def build_mmproj(path: str | os.PathLike[str], n_embd_text: int = 64, seed: int 
         "v.blk.0.ffn_down.bias": [E], "v.post_ln.weight": [E], "v.post_ln.bias": [E],
         "mm.0.weight": [E, OUT], "mm.0.bias": [OUT], "mm.2.weight": [OUT, OUT], "mm.2.bias": [OUT],
     }
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    path, tmp = _target(path)
     w = gguf.GGUFWriter(str(tmp), "clip")
     w.add_string("clip.projector_type", "mlp")
     w.add_bool("clip.has_vision_encoder", True)
@@ -323,9 +307,4 @@ def build_mmproj(path: str | os.PathLike[str], n_embd_text: int = 64, seed: int 
         else:
             arr = (rng.standard_normal(numpy_shape) * (0.3 if name.startswith("mm.") else 0.05)).astype(np.float32)
         w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, path)
-    return path
+    return _write_and_move(w, tmp, path)
