@@ -97,7 +97,7 @@ LIQUID_GOLDEN = [829, 6, 503, 20, 825, 20, 20, 817, 327, 20, 551, 572, 458, 624,
 
 def test_liquid_json_state_is_indented(lfm2):
     d = _decision({"state": {"order": 7, "items": ["a", "b"]}, "questions": QUESTIONS})
-    text = _plain(lfm2._render(None, d.state, d.questions[0], [0, 1], (), None, None))
+    text = _plain(lfm2._render(None, d.state, d.questions[0], (), None, None))
     assert '<|im_start|>user\n{\n  "order": 7,\n  "items": [\n    "a",\n    "b"\n  ]\n}\n\nIs it urgent?' in text
     assert liquid_state('[1, 2]') == "[\n  1,\n  2\n]"
     assert liquid_state("plain text") == "plain text"
@@ -107,7 +107,7 @@ def test_liquid_json_state_is_indented(lfm2):
 @pytest.mark.parametrize("state", ["", "null", "  "])
 def test_liquid_null_state_leaves_the_question_alone(lfm2, state):
     d = _decision({"state": state, "questions": QUESTIONS})
-    text = _plain(lfm2._render(None, d.state, d.questions[0], [0, 1], (), None, None))
+    text = _plain(lfm2._render(None, d.state, d.questions[0], (), None, None))
     assert text == ("<|startoftext|><|im_start|>user\nIs it urgent?\nAnswer with yes or no only.<|im_end|>\n"
                     "<|im_start|>assistant\n")
     admit(d, lfm2, SETTINGS)
@@ -119,7 +119,7 @@ def test_liquid_single_letter_labels(lfm2):
     q = {"type": "choice", "instructions": "Pick.", "criteria": {"C": "third", "A": "first", "B": None}}
     d = _decision({"state": "s", "questions": {"p": q}})
     assert liquid_labels(d.questions[0]) == ("C", "A", "B")
-    text = _plain(lfm2._render(None, "s", d.questions[0], [0, 1, 2], (), None, None))
+    text = _plain(lfm2._render(None, "s", d.questions[0], (), None, None))
     assert "C. C: third\nA. A: first\nB. B\n" in text
     # mixed names keep the SPEC labels
     d2 = _decision({"state": "s", "questions": {"p": {"type": "choice", "criteria": {"A": None, "bb": None}}}})
@@ -135,7 +135,7 @@ def test_liquid_single_letter_labels(lfm2):
 
 def test_liquid_instructions_are_a_system_turn(lfm2):
     d = _decision({"state": "s", "questions": QUESTIONS, "instructions": "Be careful."})
-    text = _plain(lfm2._render(d.instructions, "s", d.questions[0], [0, 1], (), None, None))
+    text = _plain(lfm2._render(d.instructions, "s", d.questions[0], (), None, None))
     assert text.startswith("<|startoftext|><|im_start|>system\nBe careful.<|im_end|>\n<|im_start|>user\ns\n\n")
 
 

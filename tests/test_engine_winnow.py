@@ -116,7 +116,7 @@ GOLDEN_NOUL = [829, 831, 503, 20, 684, 317, 20, 825, 20, 20, 633, 317, 820, 327,
 
 def test_noul_candidates_are_letters(reader):
     d = _decision({"state": "s", "questions": {"u": {"type": "noul", "instructions": "q?"}}})
-    text = reader._render(None, "s", d.questions[0], [0, 1], (), None, None)
+    text = reader._render(None, "s", d.questions[0], (), None, None)
     assert "A. yes\nB. no\n" in text
     assert winnow_labels(d.questions[2 - 2]) == ("A", "B")
 
@@ -172,7 +172,7 @@ def test_json_state_forms_give_one_prompt(json_reader):
     pa = json_reader._prompt(_read(a), a.questions[0]).tokens
     pb = json_reader._prompt(_read(b), b.questions[0]).tokens
     assert pa == pb
-    assert 'State:\n{"a":[1,2],"b":1}\n' in json_reader._render(None, a.state, a.questions[0], [0, 1], (), None, None)
+    assert 'State:\n{"a":[1,2],"b":1}\n' in json_reader._render(None, a.state, a.questions[0], (), None, None)
 
 
 @pytest.mark.parametrize("state", ["not json", "{'a': 1}", '{"a": 1', "NaN", ""])
@@ -187,7 +187,7 @@ def test_invalid_json_is_400_before_any_read(json_reader, state):
 
 def test_text_mode_keeps_the_state_literally(reader):
     d = _decision({"state": '{"b": 1, "a": 2}', "questions": QUESTIONS})
-    assert 'State:\n{"b": 1, "a": 2}\n' in reader._render(None, d.state, d.questions[0], [0, 1], (), None, None)
+    assert 'State:\n{"b": 1, "a": 2}\n' in reader._render(None, d.state, d.questions[0], (), None, None)
 
 
 @pytest.mark.parametrize("field,value", [("chat_template_kwargs", {"enable_thinking": True}),
@@ -215,7 +215,7 @@ def test_26_options_read(reader):
     admit(d, reader, SETTINGS)
     out = decide(d, reader, SETTINGS, "g4")
     assert len(out["answers"]["c"]["probabilities"]) == 26
-    assert "Z. opt25" in reader._render(None, "s", d.questions[0], list(range(26)), (), None, None)
+    assert "Z. opt25" in reader._render(None, "s", d.questions[0], (), None, None)
 
 
 def test_each_question_equals_its_prompt_alone(reader):

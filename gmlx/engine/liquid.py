@@ -124,11 +124,8 @@ class LiquidReader(HybridPrefixMixin, NextTokenReader):
         check_label_tokens([replace(q, labels=liquid_labels(q)) for q in decision.questions], self.label_token)
         super().check(decision)
 
-    def _render(self, instructions, state, q, order, answered, user_kwargs, thought: Thought | None) -> str:  # noqa: ARG002
+    def _render(self, instructions, state, q, answered, user_kwargs, thought: Thought | None) -> str:  # noqa: ARG002
         q = replace(q, labels=liquid_labels(q))
-        if order != list(range(len(q.options))):
-            q = replace(q, options=tuple(q.options[i] for i in order),
-                        descriptions=tuple(q.descriptions[i] for i in order))
         self._head = head_text(instructions)
         return render(instructions, state, q, answered)
 

@@ -29,19 +29,18 @@ from .context import Context, Entry, log_softmax
 from .model import LoadedModel
 
 THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
 # The fewest tokens one decode of a batch-invariant read holds: below 8 rows
 # llama.cpp's CPU matmuls take another path and round differently (measured on
 # this project's machines: a tail of 1-7 tokens moves label logprobs by up to
 # 1.1 nats on the Q4 Gemma, 8 and more match a single-pass evaluation bit for bit).
 # 16 leaves a margin for CPUs whose kernels switch later.
 MIN_PIECE = 16
-THINK_CLOSE = "</think>"
 
 
 @dataclass
 class _Prompt:
     question: Question
-    order: list[int]  # listed position k shows option order[k]
     tokens: list[int]
 
 
@@ -54,10 +53,6 @@ class NextTokenReader:
         n_ubatch = int(settings.get("n_ubatch") or n_batch)
         self.parallel = max(1, parallel)
         self.batch_invariant = settings.get("batch_invariant", True) is not False
-        # The model's default for requests that do not set `calibrate`.
-        self.calibrate = settings.get("calibrate") or "none"
-        # Content-free priors depend on the file and the settings that change numbers.
-        self.model_key = (str(lm.path), tuple(sorted((k, repr(v)) for k, v in settings.items())))
         self.ctx = Context(
             lm,
             n_ctx=int(settings.get("n_ctx") or 8192),
@@ -74,9 +69,10 @@ class NextTokenReader:
             self.template and self.template.has_thinking and self.think_open is not None and self.think_close is not None
         )
         self._cached: list[int] = []  # tokens held by sequence 0
-        # Within a decision, a prompt read once is not read again (a noul's or a
-        # score's later samples list the same prompt as sample 0). Only the slot
-        # result is kept: a full logits row is 1 MB on a 262k vocabulary.
+        # Within a decision, a prompt read once is not read again (two questions
+        # whose prompts come out the same; repeated sample orders never reach the
+        # reader, decisions/sampling.py skips them). Only the slot result is kept:
+        # a full logits row is 1 MB on a 262k vocabulary.
         self._slots: dict[tuple[int, ...], SlotRead] = {}
         self._label_ids: dict[str, int | None] = {}
         self._evaluated = 0  # tokens decoded so far (usage counts what was evaluated)
@@ -184,7 +180,7 @@ class NextTokenReader:
                 Answered(o, max(range(len(o.options)), key=lambda i, o=o: len(o.options[i])))
                 for o in (by_id[d] for d in q.depends_on if d in by_id)
             )
-            text = self._render(decision.instructions, decision.state, q, list(range(len(q.options))), answered,
+            text = self._render(decision.instructions, decision.state, q, answered,
                                 decision.chat_template_kwargs, None)
             worst = max(worst, len(self.lm.encode_prompt(text)))
         # +1: the read itself; a thought also brings its open/close markers.
@@ -234,8 +230,10 @@ class NextTokenReader:
         kw.update(user or {})
         return kw
 
-    def _render(self, instructions, state, q, order, answered, user_kwargs, thought: Thought | None) -> str:
-        msgs = prompts.messages(instructions, state, q, order, answered)
+    def _render(self, instructions, state, q, answered, user_kwargs, thought: Thought | None) -> str:
+        # The decision core hands each question already in its sample's order
+        # (decisions/orders.py): the options are listed as given.
+        msgs = prompts.messages(instructions, state, q, range(len(q.options)), answered)
         if thought is None:
             return self.template.render(msgs, True, self._kwargs(user_kwargs, False))
         # The reply opens with the thought block, closed, then the answer.
@@ -243,14 +241,11 @@ class NextTokenReader:
         return text + f"{THINK_OPEN}\n{literal(thought.text.strip())}\n{THINK_CLOSE}\n\n"
 
     def _prompt(self, read: Read, q: Question) -> _Prompt:
-        # The decision core hands each question already in its sample's order
-        # (decisions/orders.py): list the options as given.
-        order = list(range(len(q.options)))
         deps = set(q.depends_on)
         # A question's prompt states the earlier answers it depends on.
         answered = tuple(a for a in read.answered if a.question.id in deps)
-        text = self._render(read.instructions, read.state, q, order, answered, read.chat_template_kwargs, read.thought)
-        return _Prompt(q, order, self.lm.encode_prompt(text))
+        text = self._render(read.instructions, read.state, q, answered, read.chat_template_kwargs, read.thought)
+        return _Prompt(q, self.lm.encode_prompt(text))
 
     # -- evaluation --------------------------------------------------------
     def _evaluate(self, prompts_tokens: list[list[int]]) -> list[np.ndarray]:
@@ -287,7 +282,7 @@ class NextTokenReader:
             entries = [Entry(tok, prefix_len + j, seq, j == len(tail) - 1) for j, tok in enumerate(tail)]
             out = self._decode_run(entries)
             rows.append(out[len(tail) - 1])
-            self.ctx.seq_rm(seq, prefix_len if seq == 0 else -1, -1)
+            self.ctx.seq_rm(seq, -1, -1)
         return rows
 
     def _evaluate_batched(self, prompts_tokens: list[list[int]]) -> list[np.ndarray]:

@@ -147,11 +147,8 @@ class WinnowReader(NextTokenReader):
     def _relabel(self, q: Question) -> Question:
         return replace(q, labels=winnow_labels(q))
 
-    def _render(self, instructions, state, q, order, answered, user_kwargs, thought: Thought | None) -> str:  # noqa: ARG002
+    def _render(self, instructions, state, q, answered, user_kwargs, thought: Thought | None) -> str:  # noqa: ARG002
         q = self._relabel(q)
-        if order != list(range(len(q.options))):
-            q = replace(q, options=tuple(q.options[i] for i in order),
-                        descriptions=tuple(q.descriptions[i] for i in order))
         return render(self.state_text(state), q, answered)
 
     def _slot(self, p, row: np.ndarray) -> SlotRead:
