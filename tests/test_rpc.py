@@ -22,22 +22,20 @@ import llama_cpp
 import pytest
 import tiny_gguf
 import yaml
+from fake_reader import ticket_body
 from server_harness import free_port, gmlx_command, start
 
 REPO = Path(__file__).resolve().parent.parent
 
-TICKET = {
-    "state": {"ticket": "I was charged twice for my March invoice. Please refund the duplicate charge."},
-    "questions": {
-        "urgent": {"type": "noul", "instructions": "Does the customer need a reply within the hour?"},
-        "team": {"type": "choice", "instructions": "Which team should handle the ticket?",
-                 "criteria": {"billing": "invoices, charges, refunds", "infra": "outages, errors, latency",
-                              "product": "features, UI bugs"}},
-        "severity": {"type": "score", "instructions": "How severe is the problem for the customer?",
-                     "criteria": ["low", "medium", "high"]},
-    },
-    "samples": 2,
-}
+
+def _ticket() -> dict:
+    """The tests' support ticket (fake_reader.ticket_body) without its second stage, two samples."""
+    body = ticket_body(samples=2)
+    del body["questions"]["refund"]
+    return body
+
+
+TICKET = _ticket()
 
 BUNDLED_HAS_RPC = bool(llama_cpp.llama_supports_rpc())
 

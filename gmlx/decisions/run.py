@@ -114,9 +114,9 @@ def decide(
     usage = {
         "input_tokens": max(p.prompt_tokens for p in passes),
         "output_tokens": sum(p.output_tokens for p in passes) + (thought.tokens if thought else 0),
+        # Prompt tokens an earlier decision had evaluated (cross-request prefix cache).
+        "cached_tokens": sum(p.cached_tokens for p in passes),
     }
-    # Prompt tokens an earlier decision had evaluated (cross-request prefix cache).
-    usage["cached_tokens"] = sum(p.cached_tokens for p in passes)
     if diagnostics["calibrate"] != "none":
         # Content-free reads this decision paid for (0 when every prior was cached).
         usage["prior_reads"] = sum(p.prior_reads for p in passes)
