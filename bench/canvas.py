@@ -47,8 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import tiny_gguf  # noqa: E402
 
 from gmlx.config import LOAD_DEFAULTS  # noqa: E402
-from gmlx.decisions.request import parse_decision  # noqa: E402
-from gmlx.decisions.run import admit, decide  # noqa: E402
+from gmlx.decisions.parse import parse_decision  # noqa: E402
+from gmlx.decisions.decide import admit, decide  # noqa: E402
 from gmlx.decisions.types import DecisionSettings, Read  # noqa: E402
 from gmlx.engine.canvas import CanvasReader  # noqa: E402
 from gmlx.engine.context import Entry  # noqa: E402

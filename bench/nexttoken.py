@@ -19,8 +19,8 @@ import statistics
 import time
 
 from gmlx.config import LOAD_DEFAULTS, package_gguf
-from gmlx.decisions.request import parse_decision
-from gmlx.decisions.run import decide
+from gmlx.decisions.parse import parse_decision
+from gmlx.decisions.decide import decide
 from gmlx.decisions.types import DecisionSettings, Read
 from gmlx.engine.context import Entry
 from gmlx.engine.model import load_model

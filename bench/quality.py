@@ -20,8 +20,8 @@ from collections import Counter
 from pathlib import Path
 
 from gmlx.config import LOAD_DEFAULTS, package_gguf
-from gmlx.decisions.request import parse_decision
-from gmlx.decisions.run import decide
+from gmlx.decisions.parse import parse_decision
+from gmlx.decisions.decide import decide
 from gmlx.decisions.types import DecisionSettings
 from gmlx.engine import open_reader
 from gmlx.engine.model import load_model

@@ -191,8 +191,8 @@ class OfflineEngine:
         self.load_seconds = time.perf_counter() - t0
 
     def __call__(self, body: dict[str, Any]) -> dict[str, Any]:
-        from .decisions.request import parse_decision
-        from .decisions.run import admit, decide
+        from .decisions.parse import parse_decision
+        from .decisions.decide import admit, decide
 
         try:
             decision = parse_decision(body, self.settings)

@@ -7,6 +7,7 @@ with it instead of a traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.metadata
 import os
@@ -98,6 +99,7 @@ LOAD_DEFAULTS: dict[str, Any] = {
     "decision_temperature": 1.0,
     "decision_state_format": "text",
     "mmproj": None,
+    "prefix_cache_mib": 256,
 }
 
 
@@ -138,18 +140,24 @@ class DefaultsConfig(_Strict):
     profile: str | None = None
 
 
+# The decision defaults have one source, DecisionSettings; this schema, the
+# request parser and docs/configuration.md (checked by tests/test_docs.py)
+# take theirs from it.
+_D = DecisionSettings()
+
+
 class SystemOneConfig(_Strict):
     model: str | None = None
-    canvas: int = Field(64, gt=0)
-    constrained: bool = True
-    max_questions: int = Field(64, ge=1, le=1024)
-    max_samples: int = Field(32, ge=1, le=1024)
-    auto_max: int = Field(4, ge=1, le=1024)
-    think: Any = 0  # 0..4096 or "auto"; checked below, one message for both shapes
-    think_threshold: float = Field(0.8, gt=0, le=1)
-    think_budget: int = Field(64, ge=1, le=4096)
-    confidence: Literal["probability", "typesafe"] = "probability"
-    skipped: Literal["null", "omit"] = "null"
+    canvas: int = Field(_D.canvas, gt=0)
+    constrained: bool = _D.constrained
+    max_questions: int = Field(_D.max_questions, ge=1, le=1024)
+    max_samples: int = Field(_D.max_samples, ge=1, le=1024)
+    auto_max: int = Field(_D.auto_max, ge=1, le=1024)
+    think: Any = _D.think  # 0..4096 or "auto"; checked below, one message for both shapes
+    think_threshold: float = Field(_D.think_threshold, gt=0, le=1)
+    think_budget: int = Field(_D.think_budget, ge=1, le=4096)
+    confidence: Literal["probability", "typesafe"] = _D.confidence
+    skipped: Literal["null", "omit"] = _D.skipped
 
     @field_validator("canvas")
     @classmethod
@@ -166,18 +174,7 @@ class SystemOneConfig(_Strict):
         raise ValueError('must be 0..4096 or "auto"')
 
     def decision_settings(self) -> DecisionSettings:
-        return DecisionSettings(
-            max_questions=self.max_questions,
-            max_samples=self.max_samples,
-            auto_max=self.auto_max,
-            think=self.think,
-            think_threshold=self.think_threshold,
-            think_budget=self.think_budget,
-            confidence=self.confidence,
-            skipped=self.skipped,
-            canvas=self.canvas,
-            constrained=self.constrained,
-        )
+        return DecisionSettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DecisionSettings)})
 
 
 class MediaConfig(_Strict):

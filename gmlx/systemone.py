@@ -88,8 +88,8 @@ class HTTPFailure(Exception):
 
 def run_offline(body: dict[str, Any], model: str, config_path: str | None) -> dict[str, Any]:
     """Load the model in this process and run the same decision code as the server."""
-    from .decisions.request import parse_decision
-    from .decisions.run import admit, decide
+    from .decisions.parse import parse_decision
+    from .decisions.decide import admit, decide
 
     model_id, reader, ds = open_offline(model, config_path, profile=body.get("profile") if isinstance(body, dict) else None)
     decision = parse_decision(body, ds)

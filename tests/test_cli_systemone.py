@@ -125,7 +125,7 @@ def test_bad_request_file_is_one_line_exit_1(tmp_path, content, fragment):
 
 
 def test_every_example_is_a_valid_request():
-    from gmlx.decisions.request import parse_decision
+    from gmlx.decisions.parse import parse_decision
     from gmlx.decisions.types import DecisionSettings
 
     files = sorted((REPO / "examples").glob("*.json"))

@@ -7,8 +7,8 @@ import pytest
 
 from gmlx.decisions.calibration import CONTENT_FREE_STATES, PriorCache, calibrated
 from fake_reader import FakeReader, ticket_body
-from gmlx.decisions.request import parse_decision
-from gmlx.decisions.run import decide
+from gmlx.decisions.parse import parse_decision
+from gmlx.decisions.decide import decide
 from gmlx.decisions.types import DecisionSettings
 from gmlx.errors import ValidationError
 

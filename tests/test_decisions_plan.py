@@ -7,8 +7,8 @@ import pytest
 from gmlx.errors import ValidationError
 from fake_reader import FakeReader, ticket_body
 from gmlx.decisions.plan import asked_questions, make_plan, skip_reason, stages_of
-from gmlx.decisions.request import parse_decision
-from gmlx.decisions.run import admit, decide
+from gmlx.decisions.parse import parse_decision
+from gmlx.decisions.decide import admit, decide
 from gmlx.decisions.types import DecisionSettings
 
 SETTINGS = DecisionSettings()

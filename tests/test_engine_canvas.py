@@ -13,8 +13,8 @@ import tiny_gguf
 from gmlx.config import LOAD_DEFAULTS
 from gmlx.decisions import canvas_text
 from fake_reader import ticket_body
-from gmlx.decisions.request import parse_decision
-from gmlx.decisions.run import admit, decide
+from gmlx.decisions.parse import parse_decision
+from gmlx.decisions.decide import admit, decide
 from gmlx.decisions.types import Answered, DecisionSettings, Read, Thought
 from gmlx.engine import open_reader
 from gmlx.engine.canvas import ALIGN, CanvasReader, ceil_to

@@ -38,8 +38,8 @@ def _child(eb_path: str, noeb_path: str) -> dict:
 
     from gmlx.config import LOAD_DEFAULTS
     from fake_reader import ticket_body
-    from gmlx.decisions.request import parse_decision
-    from gmlx.decisions.run import decide
+    from gmlx.decisions.parse import parse_decision
+    from gmlx.decisions.decide import decide
     from gmlx.decisions.types import DecisionSettings, Read
     from gmlx.engine import canvas as canvas_mod
     from gmlx.engine import open_reader

@@ -9,8 +9,8 @@ import pytest
 
 from gmlx.config import LOAD_DEFAULTS
 from fake_reader import ticket_body
-from gmlx.decisions.request import parse_decision
-from gmlx.decisions.run import decide
+from gmlx.decisions.parse import parse_decision
+from gmlx.decisions.decide import decide
 from gmlx.decisions.types import DecisionSettings
 from gmlx.engine import open_reader
 from gmlx.engine.model import load_model

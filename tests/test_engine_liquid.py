@@ -10,8 +10,8 @@ from tiny_gguf_more import build_lfm2, build_qwen35
 
 from gmlx.config import LOAD_DEFAULTS
 from gmlx.decisions.literal import CLOSE, OPEN
-from gmlx.decisions.request import parse_decision
-from gmlx.decisions.run import admit, decide
+from gmlx.decisions.parse import parse_decision
+from gmlx.decisions.decide import admit, decide
 from gmlx.decisions.types import DecisionSettings, Read
 from gmlx.engine import open_reader
 from gmlx.engine.context import Entry, log_softmax
@@ -104,7 +104,7 @@ def test_liquid_json_state_is_indented(lfm2):
     assert liquid_state("{not json") == "{not json"
 
 
-@pytest.mark.parametrize("state", ["", "null", "  "])
+@pytest.mark.parametrize("state", ["", "null", "  ", None])
 def test_liquid_null_state_leaves_the_question_alone(lfm2, state):
     d = _decision({"state": state, "questions": QUESTIONS})
     text = _plain(lfm2._render(None, d.state, d.questions[0], (), None, None))

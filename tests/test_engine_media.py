@@ -15,8 +15,8 @@ from tiny_gguf_more import build_lfm2, build_mmproj
 
 from fake_reader import ticket_body
 from gmlx.config import LOAD_DEFAULTS
-from gmlx.decisions.request import parse_decision
-from gmlx.decisions.run import admit, decide
+from gmlx.decisions.parse import parse_decision
+from gmlx.decisions.decide import admit, decide
 from gmlx.decisions.types import DecisionSettings, Read
 from gmlx.engine import open_reader
 from gmlx.engine.model import load_model

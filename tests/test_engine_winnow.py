@@ -13,8 +13,8 @@ from tiny_gguf_more import build_gemma4, build_qwen35
 
 from gmlx.config import LOAD_DEFAULTS
 from gmlx.decisions.literal import CLOSE, OPEN
-from gmlx.decisions.request import parse_decision
-from gmlx.decisions.run import admit, decide
+from gmlx.decisions.parse import parse_decision
+from gmlx.decisions.decide import admit, decide
 from gmlx.decisions.types import DecisionSettings, Read
 from gmlx.engine import open_reader
 from gmlx.engine.context import Entry, log_softmax

@@ -35,7 +35,7 @@ import tiny_gguf  # noqa: E402
 from server_harness import assert_error, noul_body, start  # noqa: E402
 
 from gmlx.config import parse_config  # noqa: E402
-from gmlx.decisions.request import parse_decision  # noqa: E402
+from gmlx.decisions.parse import parse_decision  # noqa: E402
 from gmlx.decisions.orders import option_order  # noqa: E402
 from gmlx.decisions.seeds import sample_seed  # noqa: E402
 from gmlx.decisions.types import DecisionSettings  # noqa: E402

@@ -19,8 +19,8 @@ import tiny_gguf  # noqa: E402
 
 from gmlx.config import LOAD_DEFAULTS, parse_config  # noqa: E402
 from fake_reader import FakeReader, ticket_body  # noqa: E402
-from gmlx.decisions.request import RESERVED_TEMPLATE_KWARGS, parse_decision  # noqa: E402
-from gmlx.decisions.run import admit, decide  # noqa: E402
+from gmlx.decisions.parse import RESERVED_TEMPLATE_KWARGS, parse_decision  # noqa: E402
+from gmlx.decisions.decide import admit, decide  # noqa: E402
 from gmlx.decisions.types import DecisionSettings  # noqa: E402
 from gmlx.engine.model import _set_load_mode, load_model, probe_vocab  # noqa: E402
 from gmlx.engine.nexttoken import NextTokenReader  # noqa: E402

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from gmlx.config import LOAD_DEFAULTS
-from gmlx.decisions.request import parse_decision
-from gmlx.decisions.run import decide
+from gmlx.decisions.parse import parse_decision
+from gmlx.decisions.decide import decide
 from gmlx.decisions.types import DecisionSettings
 from gmlx.engine.model import load_model
 from gmlx.engine.nexttoken import NextTokenReader

@@ -10,7 +10,7 @@ from server_harness import start
 
 from gmlx.config import LOAD_DEFAULTS
 from fake_reader import ticket_body
-from gmlx.decisions.request import parse_decision
+from gmlx.decisions.parse import parse_decision
 from gmlx.decisions.types import DecisionSettings, Read
 from gmlx.engine import open_reader
 from gmlx.engine.model import load_model

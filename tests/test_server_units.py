@@ -13,7 +13,7 @@ import zstandard
 
 from gmlx.config import parse_config
 from fake_reader import FakeReader
-from gmlx.decisions.request import parse_decision
+from gmlx.decisions.parse import parse_decision
 from gmlx.decisions.types import DecisionSettings
 from gmlx.errors import (
     Cancelled,

@@ -31,7 +31,7 @@ from typing import Any
 
 from ..errors import GmlxError, InvalidRequest
 from .questions import MAX_ALTERNATIVES, MIN_ALTERNATIVES
-from .request import parse_decision
+from .parse import parse_decision
 from .fields import describe
 from .types import Decision, DecisionSettings
 

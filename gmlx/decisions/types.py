@@ -1,8 +1,9 @@
 """The validated decision and the read protocol: the seam between the decision
 core (pure Python) and the read engines (llama.cpp).
 
-Data flows one way: request body -> `Decision` (request.py) -> plan (plan.py)
--> `Read`s handed to a `Reader` -> `ReadResult`s -> answers (answers.py).
+Data flows one way: request body -> `Decision` (parse.py) -> plan (plan.py)
+-> `Read`s handed to a `Reader` (read.py) -> `ReadResult`s -> answers
+(aggregate.py) -> response body (respond.py).
 """
 
 from __future__ import annotations
@@ -63,12 +64,13 @@ class Decision:
     instructions: str | None = None
     seed: int = 42
     samples: Union[int, Literal["auto"]] = "auto"
-    auto_max: int = 4
+    # The server's settings are these fields' defaults (parse.py applies them).
+    auto_max: int = DecisionSettings.auto_max
     auto_threshold: float = 0.1
     steps: int = 1
-    think: Union[int, Literal["auto"]] = 0
-    think_threshold: float = 0.8
-    think_budget: int = 64
+    think: Union[int, Literal["auto"]] = DecisionSettings.think
+    think_threshold: float = DecisionSettings.think_threshold
+    think_budget: int = DecisionSettings.think_budget
     ask: tuple[str, ...] | None = None
     chunk_rows: int | None = None
     chunk_prompt: Literal["own", "shared"] = "own"

@@ -8,7 +8,7 @@ from ..errors import NotImplementedStrategy
 
 
 def _with_defaults(reader, lm, settings: dict[str, Any]):
-    """Per-model decision defaults every reader carries (decisions/runner.py)."""
+    """Per-model decision defaults every reader carries (decisions/read.py)."""
     reader.calibrate = settings.get("calibrate") or "none"
     # Calibration priors are shared only by readers of the same file and settings.
     reader.model_key = (str(getattr(lm, "path", "")), tuple(sorted((k, repr(v)) for k, v in settings.items())))

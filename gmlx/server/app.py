@@ -34,7 +34,7 @@ from starlette.requests import ClientDisconnect
 
 from .. import __version__ as gmlx_version
 from ..config import Config
-from ..decisions.run import admit
+from ..decisions.decide import admit
 from ..errors import AuthenticationError, Cancelled, ClientClosed, GmlxError, InvalidRequest, ServerError, Timeout
 from . import body as bodies
 from . import schema as schemas

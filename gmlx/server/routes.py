@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 
 from ..decisions.openai import OpenAIDecision, parse_openai
-from ..decisions.request import parse_decision
+from ..decisions.parse import parse_decision
 from ..decisions.types import Decision, DecisionSettings
 from ..errors import GmlxError
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..decisions.openai import MAX_CHOICES, MAX_LEVELS, MAX_SAFETY_IDENTIFIER, MIN_CHOICES, MIN_LEVELS
 from ..decisions.questions import MAX_ALTERNATIVES, MIN_ALTERNATIVES
-from ..decisions.request import MAX_STEPS, MAX_THINK, MIN_CHUNK_ROWS, MIN_STEPS
+from ..decisions.parse import MAX_STEPS, MAX_THINK, MIN_CHUNK_ROWS, MIN_STEPS
 from ..decisions.types import DecisionSettings
 
 REF = "#/components/schemas/"

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..decisions.run import decide
+from ..decisions.decide import decide
 from ..decisions.types import Decision, DecisionSettings
 from ..errors import Cancelled, GmlxError, Overloaded, ServerError, Timeout
 

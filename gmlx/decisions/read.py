@@ -1,7 +1,10 @@
-"""One pass over a plan: stages in order, skipping, chunks, samples.
+"""Step 3, read: one pass over a plan - stages in order, skipping, chunks, samples.
 
-think "auto" runs this twice (without and with a thought); everything a pass
-produces is collected in a Pass so the caller can pick which one answers.
+Each chunk's distinct reads come from `sampling.read_chunk`; its answers are
+aggregated (`aggregate.py`) right away, because a later stage's `ask_if` and
+prompt depend on them. think "auto" runs two passes (without and with a
+thought); everything a pass produces is collected in a Pass so the caller can
+pick which one answers.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import answers, stats
+from . import aggregate, stats
 from .plan import Plan, chunk_stage, skip_reason
 from .sampling import ChunkReads, read_chunk
 from .seeds import sample_seed
@@ -110,10 +113,10 @@ def run_pass(
             out.groups.append(group)
             for q in chunk:
                 samples = group.samples[q.id]
-                probs = answers.averaged(samples)
+                probs = aggregate.averaged(samples)
                 out.probs[q.id] = probs
-                out.diagnostics[q.id] = answers.diagnostics(samples, probs)
-                cal = answers.calibration(q, samples, group.prior_cached.get(q.id, False))
+                out.diagnostics[q.id] = aggregate.diagnostics(samples, probs)
+                cal = aggregate.calibration(q, samples, group.prior_cached.get(q.id, False))
                 if cal is not None:
                     out.diagnostics[q.id]["calibration"] = cal
                 chosen[q.id] = stats.argmax(probs)
@@ -129,15 +132,3 @@ def _answered(plan: Plan, chosen: dict[str, int]) -> tuple[Answered, ...]:
 def calibrate_mode(decision: Decision, reader: Reader) -> str:
     """The request's `calibrate`, else the model's or profile's default."""
     return decision.calibrate or getattr(reader, "calibrate", None) or "none"
-
-
-def tops(group: ChunkReads) -> list[dict]:
-    """Per distinct read: question id -> its top label, probability and entropy
-    (the questions that read answered)."""
-    by_id = {q.id: q for q in group.questions}
-    return [{qid: answers.top(by_id[qid], s) for qid, s in read.items()} for read in group.per_read]
-
-
-def confidences(plan: Plan, run: Pass, mode: str) -> dict[str, float]:
-    """Confidence of every answered question, in request order."""
-    return {q.id: stats.confidence(q.type, run.probs[q.id], mode) for q in plan.asked if q.id in run.probs}

@@ -10,8 +10,8 @@ import pytest
 from gmlx.errors import Cancelled, ValidationError
 from gmlx.decisions import stats
 from fake_reader import FakeReader, ticket_body
-from gmlx.decisions.request import parse_decision
-from gmlx.decisions.run import admit, decide
+from gmlx.decisions.parse import parse_decision
+from gmlx.decisions.decide import admit, decide
 from gmlx.decisions.orders import option_order
 from gmlx.decisions.seeds import sample_seed, thought_seed
 from gmlx.decisions.types import DecisionSettings

@@ -1,12 +1,17 @@
-"""Answers and per-question diagnostics from a question's samples (SPEC 4.8)."""
+"""Step 4, aggregate: a question's distinct reads -> its answer and diagnostics (SPEC 4.8).
+
+The reads arrive already mapped back to option names (sampling.py); here they
+are averaged, summarized (stderr, agreement over distinct reads only) and put
+in each question type's answer shape. The label math itself is in stats.py.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Iterable, Mapping, Sequence
 
 from . import stats
-from .sampling import Sample
+from .sampling import ChunkReads, Sample
 from .types import Question
 
 
@@ -82,3 +87,15 @@ def top(question: Question, sample: Sample) -> dict:
     """One sample's top label, as the template writes it (request-order label)."""
     i = stats.argmax(sample.probs)
     return {"label": question.labels[i], "p": sample.probs[i], "entropy": sample.entropy}
+
+
+def tops(group: ChunkReads) -> list[dict]:
+    """Per distinct read: question id -> its top label, probability and entropy
+    (the questions that read answered)."""
+    by_id = {q.id: q for q in group.questions}
+    return [{qid: top(by_id[qid], s) for qid, s in read.items()} for read in group.per_read]
+
+
+def confidences(asked: Iterable[Question], probs: Mapping[str, Sequence[float]], mode: str) -> dict[str, float]:
+    """Confidence of every answered question, in request order."""
+    return {q.id: stats.confidence(q.type, probs[q.id], mode) for q in asked if q.id in probs}

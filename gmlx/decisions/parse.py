@@ -88,11 +88,13 @@ def _check_images(images: Any, body: dict | None = None) -> tuple:
 
 
 def _state(body: dict) -> str:
-    state = body.get("state")
-    if state is None:
+    if "state" not in body:
         raise fail("state is required (a string, or any JSON value)", "state")
+    state = body["state"]
     if isinstance(state, str):
         return state
+    # JSON null is a JSON value too: its text "null" (a Liquid read then leaves
+    # the images, or the question alone, as the prompt; engine/liquid.py).
     # Non-string states reach the model as JSON text with their characters kept.
     return json.dumps(state, ensure_ascii=False)
 

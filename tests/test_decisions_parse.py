@@ -8,7 +8,7 @@ import pytest
 
 from gmlx.errors import InvalidRequest, ValidationError
 from fake_reader import ticket_body
-from gmlx.decisions.request import parse_decision
+from gmlx.decisions.parse import parse_decision
 from gmlx.decisions.types import DecisionSettings
 
 SETTINGS = DecisionSettings()
@@ -62,7 +62,6 @@ def levels(n):
 INVALID = [
     # state and questions
     pytest.param(top(state=DROP), ValidationError, "state", ["state", "required"], id="state-missing"),
-    pytest.param(top(state=None), ValidationError, "state", ["state", "required"], id="state-null"),
     pytest.param(top(questions=DROP), ValidationError, "questions", ["questions", "non-empty"], id="questions-missing"),
     pytest.param(questions({}), ValidationError, "questions", ["questions", "non-empty"], id="questions-empty"),
     pytest.param(questions([{"type": "noul"}]), ValidationError, "questions", ["questions", "object"], id="questions-list"),
@@ -380,6 +379,16 @@ def test_state_json_keeps_characters():
     assert d.state == '{"ticket": "Café crème ☕ — naïve", "n": [1, 2.5, null, true]}'
     assert json.loads(d.state)["ticket"] == "Café crème ☕ — naïve"
     assert parse(state=0).state == "0"
+
+
+def test_state_null_is_its_json_text_but_a_missing_state_is_refused():
+    # null is a JSON value (SPEC 4.1: "string, or any JSON value"); only a body
+    # without the key lacks a state.
+    assert parse(state=None).state == "null"
+    body = ticket_body()
+    del body["state"]
+    with pytest.raises(ValidationError, match="state is required"):
+        parse_decision(body, DecisionSettings())
 
 
 def test_ask_with_dependencies():
