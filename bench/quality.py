@@ -8,13 +8,22 @@ bins of confidence), Brier score (multi-class, per question), order flips (each
 choice asked again with its options reversed: how often the top answer
 changes), reads (distinct reads + content-free prior reads) and wall time.
 
+Then, from the uncalibrated distributions of the last policy, a signal
+ceiling per question: the best accuracy any per-option bias on the label
+log-probabilities reaches when it is fitted on the set's own answers. That
+bounds every calibration policy (content-free or any other bias): a ceiling at
+the constant policy means the model's reads carry no usable signal for that
+question.
+
     python bench/quality.py [--set dev|heldout] [--policies samples=1:none,...]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import time
 from collections import Counter
 from pathlib import Path
@@ -72,6 +81,7 @@ def run_policy(reader, items, samples, calibrate, settings) -> dict:
     conf: list[float] = []
     brier: list[float] = []
     flips = choices = reads = prior_reads = 0
+    raw: dict[str, list[tuple[dict[str, float], str]]] = {}  # qid -> (uncalibrated probs, expected)
     t0 = time.perf_counter()
     for item in items:
         body = {"state": item["state"], "questions": item["questions"], "samples": samples, "calibrate": calibrate}
@@ -85,6 +95,8 @@ def run_policy(reader, items, samples, calibrate, settings) -> dict:
             correct.append(ok)
             conf.append(max(probs.values()))
             brier.append(sum((p - (1.0 if k == str(want) else 0.0)) ** 2 for k, p in probs.items()))
+            cal = resp["diagnostics"]["questions"][qid].get("calibration")
+            raw.setdefault(qid, []).append((cal["uncalibrated"] if cal else probs, str(want)))
         flipped = decide(parse_decision(reversed_choices(body), settings), reader, settings, "m")
         reads += flipped["diagnostics"]["timing"]["reads"]
         prior_reads += flipped["usage"].get("prior_reads", 0)
@@ -102,7 +114,23 @@ def run_policy(reader, items, samples, calibrate, settings) -> dict:
         "prior_reads": prior_reads,
         "seconds": time.perf_counter() - t0,
         "n": len(correct),
+        "raw": raw,
     }
+
+
+def ceiling(rows: list[tuple[dict[str, float], str]]) -> float:
+    """Best accuracy of argmax(log p + bias) over per-option biases (a grid of
+    half-nats in [-6, 6], the first option's bias fixed at 0), fitted on these
+    very answers: an upper bound for any calibration of these reads."""
+    keys = list(rows[0][0])
+    logs = [{k: math.log(max(p[k], 1e-12)) for k in keys} for p, _ in rows]
+    grid = [x / 2 for x in range(-12, 13)]
+    best = 0
+    for b in itertools.product(grid, repeat=len(keys) - 1):
+        bias = dict(zip(keys[1:], b), **{keys[0]: 0.0})
+        hits = sum(max(keys, key=lambda k: lp[k] + bias[k]) == want for lp, (_, want) in zip(logs, rows))
+        best = max(best, hits)
+    return best / len(rows)
 
 
 def constant_baseline(items) -> float:
@@ -137,12 +165,20 @@ def main() -> None:
           f"constant policy accuracy {base:.3f}")
     print("| samples | calibrate | accuracy | constant | ECE (10 bins) | Brier | order flips | reads (+priors) | wall s |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    r = None
     for samples, calibrate in policies:
         r = run_policy(reader, items, samples, calibrate, ds)
         label = f"auto (max {args.auto_max})" if samples == "auto" else samples
         print(f"| {label} | {calibrate} | {r['accuracy']:.3f} | {base:.3f} | {r['ece']:.3f} | {r['brier']:.3f} | "
               f"{r['flips']}/{r['choices']} ({r['flips'] / r['choices']:.0%}) | {r['reads']} (+{r['prior_reads']}) | "
               f"{r['seconds']:.1f} |", flush=True)
+    if r is not None:
+        print("\nsignal ceiling (per-option bias fitted on this set's answers, uncalibrated reads of the last row):")
+        print("| question | constant | ceiling |")
+        print("|---|---:|---:|")
+        for qid, rows in r["raw"].items():
+            const = Counter(want for _, want in rows).most_common(1)[0][1] / len(rows)
+            print(f"| {qid} | {const:.3f} | {ceiling(rows):.3f} |")
     reader.close()
     lm.close()
 
