@@ -20,7 +20,7 @@ from gmlx.decisions.decide import admit, decide
 from gmlx.decisions.types import DecisionSettings, Read
 from gmlx.engine import open_reader
 from gmlx.engine.model import load_model
-from gmlx.engine.media import MediaLimits, check_other_media, decode_image, decode_images, shrink
+from gmlx.engine.media import MediaLimits, check_other_media, decode_image, decode_images, images_of, shrink
 from gmlx.errors import InvalidRequest, RequestTooLarge
 
 
@@ -158,17 +158,21 @@ def test_image_tokens_come_before_the_state(d1):
     head = d1.lm.encode_prompt("<|startoftext|><|im_start|>user\n")
     toks = d1._prompt(read, d.questions[0]).tokens
     assert toks[:len(head)] == head
-    # the images took positions len(head) .. len(head)+15; the state's tokens start right after
-    assert d1._media_pos == len(head) + 16
-    assert d1.lm.decode(toks[len(head):len(head) + 2]).startswith("ti")
+    # the image's 16 tokens (placeholders of one chunk) right after the head, then the state
+    image = toks[len(head):len(head) + 16]
+    assert len(set(image)) == 1 and image[0] < 0 and toks[len(head) + 16] >= 0
+    assert d1.lm.decode(toks[len(head) + 16:len(head) + 18]).startswith("ti")
+    # positions len(head) .. len(head)+15 for the image; the state's tokens continue right after
+    assert d1._layout.runs[0][:2] == (len(head), len(head) + 16)
+    assert d1._layout.pos(len(head) + 16) == len(head) + 16
     d1.reset()
 
 
 def test_large_images_are_shrunk_to_1024(d1):
     d = parse_decision({"state": "s", "questions": QS, "images": [_data_url(size=(2048, 1024))]}, SETTINGS)
     admit(d, d1, SETTINGS)
-    (im,) = d1._registry.get(d.state)
-    assert im.size == (1024, 512)
+    (im,) = images_of(d.state)
+    assert im.image.size == (1024, 512)
 
 
 def test_a_model_without_projector_refuses_images(files):

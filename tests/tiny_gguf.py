@@ -11,6 +11,7 @@ API
     build_llada(path, vocab="tiny", seed=0, **overrides) -> Path
     build_dream(path, vocab="tiny", seed=0, **overrides) -> Path
     build_qwen3(path, vocab="tiny", seed=0, **overrides) -> Path
+    build_qwen3vl(path, vocab="tiny", seed=0, **overrides) -> Path   (qwen3 + M-RoPE)
     build_gemma3(path, vocab="gemma", seed=0, **overrides) -> Path   (extra)
     build_diffusion_gemma(path, vocab="tiny", seed=0, canvas_length=64, eb_keys=True) -> Path
     dg_lib_dir() -> Path | None     (LLAMA_CPP_LIB_PATH for ../shared/llama-dg/lib), dg_env()
@@ -26,7 +27,8 @@ context_length (4096), rope_freq_base, rms_eps (1e-6), tie_embeddings (True:
 no `output.weight`, logits use `token_embd`), embd_scale (0.15: tied logits have std ~1.2), out_scale
 (scale of `output.weight` when untied), norm_jitter (0.1), chat_template (qwen3:
 text or None to omit), shift_logits / causal (diffusion), mask_token_id,
-name (general.name), extra_kv ({key: value} written as-is; str/bool/int(u32)/float).
+name (general.name), extra_kv ({key: value} written as-is; str/bool/int(u32)/float,
+a list of ints as an int32 array).
 
 Metadata written (all archs, `{a}` = architecture name)
 -------------------------------------------------------
@@ -58,6 +60,10 @@ qwen3 (autoregressive): tokenizer.chat_template = QWEN3_CHAT_TEMPLATE,
   n_head_kv default 2; rope base 1e6. Tensors: as llada plus per layer
   blk.i.attn_q_norm.weight (hd,) and blk.i.attn_k_norm.weight (hd,) (required: without
   them the load fails with "check_tensor_dims: tensor 'blk.0.attn_k_norm.weight' not found").
+qwen3vl (Qwen3-VL's text model): qwen3 plus {a}.rope.dimension_sections [4, 2, 2, 0]
+  (llama.cpp gives it interleaved M-RoPE, rope type 40: a token has 4 position
+  dims) and {a}.n_deepstack_layers 0 (so image embeddings are n_embd wide and a
+  tiny `mlp` projector fits it).
   The q/k biases are not written (optional for qwen3, absent in the real model).
 gemma3 (autoregressive, extra; default vocab "gemma"): {a}.attention.sliding_window
   (512); n_head_kv default 1; rope base 1e6. Tensors: as qwen3 plus
@@ -510,6 +516,7 @@ _ARCHS: dict[str, _Arch] = {
     "llada": _Arch(diffusion=True, shift_logits=False, n_head_kv=4, rope_freq_base=10000.0),
     "dream": _Arch(diffusion=True, shift_logits=True, qkv_bias=True, n_head_kv=2, rope_freq_base=1e6),
     "qwen3": _Arch(qk_norm=True, n_head_kv=2, rope_freq_base=1e6, chat_template=QWEN3_CHAT_TEMPLATE),
+    "qwen3vl": _Arch(qk_norm=True, n_head_kv=2, rope_freq_base=1e6, chat_template=QWEN3_CHAT_TEMPLATE),
     "gemma3": _Arch(qk_norm=True, post_norms=True, n_head_kv=1, rope_freq_base=1e6, sliding_window=512,
                     default_vocab="gemma"),
     # A plain causal llama block with no chat template: a model with no read strategy.
@@ -580,6 +587,8 @@ def _add_kv(w: gguf.GGUFWriter, key: str, val: Any) -> None:
         w.add_float32(key, val)
     elif isinstance(val, str):
         w.add_string(key, val)
+    elif isinstance(val, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in val):
+        w.add_key_value(key, val, GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
     else:
         raise TypeError(f"extra_kv {key!r}: unsupported value {val!r}")
 
@@ -606,7 +615,7 @@ def build_gguf(
     spec = _ARCHS[arch]
     o = overrides
     voc = _resolve_vocab(vocab or spec.default_vocab, o.get("think_token_type", "user_defined"))
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3vl"):
         voc = voc.with_tokens(_QWEN_CHAT_TOKENS)
 
     n_layer = int(o.get("n_layer", 2))
@@ -658,7 +667,7 @@ def build_gguf(
                         sub_type=GGUFValueType.STRING)
     ids = dict(voc.ids)
     flags = dict(voc.flags)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3vl"):
         ids.update(bos=voc.token_id("<|endoftext|>"), pad=voc.token_id("<|endoftext|>"),
                    eos=voc.token_id("<|im_end|>"), eot=voc.token_id("<|im_end|>"))
         ids.pop("mask", None)
@@ -680,6 +689,9 @@ def build_gguf(
     for k in ("add_bos_token", "add_eos_token", "add_sep_token", "add_space_prefix"):
         if k in flags:
             w.add_bool(f"tokenizer.ggml.{k}", bool(flags[k]))
+    if arch == "qwen3vl":
+        _add_kv(w, f"{arch}.rope.dimension_sections", [head_dim // 4, head_dim // 8, head_dim // 8, 0])
+        _add_kv(w, f"{arch}.n_deepstack_layers", 0)
     for k, v in (o.get("extra_kv") or {}).items():
         _add_kv(w, k, v)
 
@@ -735,6 +747,10 @@ def build_dream(path: str | os.PathLike[str], vocab: str | Vocab = "tiny", seed:
 
 def build_qwen3(path: str | os.PathLike[str], vocab: str | Vocab = "tiny", seed: int = 0, **overrides: Any) -> Path:
     return build_gguf(path, "qwen3", vocab, seed, **overrides)
+
+
+def build_qwen3vl(path: str | os.PathLike[str], vocab: str | Vocab = "tiny", seed: int = 0, **overrides: Any) -> Path:
+    return build_gguf(path, "qwen3vl", vocab, seed, **overrides)
 
 
 def build_gemma3(path: str | os.PathLike[str], vocab: str | Vocab = "gemma", seed: int = 0, **overrides: Any) -> Path:

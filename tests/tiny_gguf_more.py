@@ -266,30 +266,52 @@ def build_lfm2(path, seed: int = 0, **kw) -> Path:
 
 
 def build_mmproj(path: str | os.PathLike[str], n_embd_text: int = 64, seed: int = 0, image_size: int = 32,
-                 patch_size: int = 8) -> Path:
-    """A tiny llava-style ("mlp") projector that llama.cpp's bundled clip loader
-    accepts: a one-block ViT (width 32, 2 heads) over 8x8 patches of a 32x32
-    image, then mm.0 (32 -> out) GELU mm.2 (out -> out), out = the text model's
-    n_embd. Tensors (ggml order): v.patch_embd [P,P,3,E], v.position_embd [E,16],
-    v.blk.0.{attn_q,attn_k,attn_v,attn_out} [E,E] + biases, ln1/ln2 weight+bias,
-    ffn_up [E,F] + bias, ffn_down [F,E] + bias, v.post_ln, mm.0, mm.2 (+ biases).
-    One image is (32/8)^2 = 16 embedding tokens."""
+                 patch_size: int = 8, kind: str = "mlp") -> Path:
+    """A tiny projector that llama.cpp's bundled clip loader accepts.
+
+    kind "mlp" (llava-style): a one-block ViT (width 32, 2 heads) over 8x8
+    patches of a 32x32 image, then mm.0 (32 -> out) GELU mm.2 (out -> out), out =
+    the text model's n_embd. Tensors (ggml order): v.patch_embd [P,P,3,E],
+    v.position_embd [E,16], v.blk.0.{attn_q,attn_k,attn_v,attn_out} [E,E] +
+    biases, ln1/ln2 weight+bias, ffn_up [E,F] + bias, ffn_down [F,E] + bias,
+    v.post_ln, mm.0, mm.2 (+ biases). One image is (32/8)^2 = 16 embedding tokens.
+
+    kind "qwen2vl" (`qwen2vl_merger`, Qwen2-VL's): the same block without
+    position embeddings (the ViT uses 2-D M-RoPE), a second patch embedding
+    (v.patch_embd.weight.1, the temporal half), and the 2x2 patch merger: mm.0
+    [4E,4E], mm.2 [4E,out]. An image is resized to a multiple of 16 pixels a side
+    (at least its minimum pixel count); w x h pixels give (w/16)(h/16) tokens,
+    wrapped by libmtmd in <|vision_start|> ... <|vision_end|> text, and take
+    max(w/16, h/16) positions under M-RoPE: a 64x32 image is 8 tokens, 4 positions."""
     E, F, OUT = 32, 64, n_embd_text
     npos = (image_size // patch_size) ** 2
     rng = np.random.default_rng(seed)
-    shapes = {
-        "v.patch_embd.weight": [patch_size, patch_size, 3, E], "v.position_embd.weight": [E, npos],
+    shapes = {"v.patch_embd.weight": [patch_size, patch_size, 3, E]}
+    if kind == "mlp":
+        shapes["v.position_embd.weight"] = [E, npos]
+        merged = E
+    elif kind == "qwen2vl":
+        shapes["v.patch_embd.weight.1"] = [patch_size, patch_size, 3, E]
+        merged = 4 * E
+        image_size = max(image_size, 64)
+    else:
+        raise ValueError(f"no tiny projector of kind {kind!r}")
+    shapes.update({
         "v.blk.0.attn_q.weight": [E, E], "v.blk.0.attn_q.bias": [E], "v.blk.0.attn_k.weight": [E, E],
         "v.blk.0.attn_k.bias": [E], "v.blk.0.attn_v.weight": [E, E], "v.blk.0.attn_v.bias": [E],
         "v.blk.0.attn_out.weight": [E, E], "v.blk.0.attn_out.bias": [E],
         "v.blk.0.ln1.weight": [E], "v.blk.0.ln1.bias": [E], "v.blk.0.ln2.weight": [E], "v.blk.0.ln2.bias": [E],
         "v.blk.0.ffn_up.weight": [E, F], "v.blk.0.ffn_up.bias": [F], "v.blk.0.ffn_down.weight": [F, E],
         "v.blk.0.ffn_down.bias": [E], "v.post_ln.weight": [E], "v.post_ln.bias": [E],
-        "mm.0.weight": [E, OUT], "mm.0.bias": [OUT], "mm.2.weight": [OUT, OUT], "mm.2.bias": [OUT],
-    }
+    })
+    if kind == "mlp":
+        shapes.update({"mm.0.weight": [E, OUT], "mm.0.bias": [OUT], "mm.2.weight": [OUT, OUT], "mm.2.bias": [OUT]})
+    else:
+        shapes.update({"mm.0.weight": [merged, merged], "mm.0.bias": [merged], "mm.2.weight": [merged, OUT],
+                       "mm.2.bias": [OUT]})
     path, tmp = _target(path)
     w = gguf.GGUFWriter(str(tmp), "clip")
-    w.add_string("clip.projector_type", "mlp")
+    w.add_string("clip.projector_type", "mlp" if kind == "mlp" else "qwen2vl_merger")
     w.add_bool("clip.has_vision_encoder", True)
     w.add_bool("clip.use_gelu", True)
     w.add_uint32("general.file_type", 0)

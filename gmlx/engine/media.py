@@ -9,9 +9,13 @@ decoded with Pillow and converted to RGB; Liquid d1 shrinks them to fit
 1024 x 1024 (aspect kept).
 
 Images are read through libmtmd (`llama_cpp.mtmd_cpp`, `Projector` below) by
-the Liquid d1 reader of a model configured with `mmproj`; every other reader
-refuses a decision with images (400, `no_projector`), so nothing is read
-without its images.
+the next-token readers (next-token, Qwen3.5, Liquid d1) of a model configured
+with `mmproj`: admission puts them on the decision's state (`attach`), the
+reader renders its prompt with MARKER where they go and puts each image's
+tokens there (`MediaSet`, placeholders keyed by the pixels' hash), and
+evaluates the image chunks where their placeholders are (`Layout`). Every
+other reader refuses a decision with images (400, `no_projector`), so nothing
+is read without its images.
 
 Imports no llama.cpp (the decision core calls it at parse time).
 """
@@ -20,11 +24,15 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
 import re
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from ..decisions.literal import CLOSE as LITERAL_CLOSE
+from ..decisions.literal import OPEN as LITERAL_OPEN
 from ..errors import InvalidRequest, RequestTooLarge
 
 FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP"}
@@ -167,16 +175,102 @@ def check_request_media(body: dict, limits: MediaLimits | None = None) -> tuple:
     return tuple(decode_images(images, limits))
 
 
+# -- images on an admitted decision ----------------------------------------------
+
+
+class ImageState(str):
+    """A decision's state that carries the decision's images (`images`).
+
+    The decision core hands a reader its reads (state, questions, ...), never
+    the request, and every read of a decision carries the decision's state
+    object itself; so admission (`attach`) replaces the state by this str
+    subclass holding the images. An instance of it is never shared between
+    decisions (an interned str such as "" can be), and a content-free
+    calibration read, whose state is a plain str, reads no images."""
+
+    images: tuple = ()
+
+
+@dataclass(frozen=True)
+class ReadImage:
+    image: Any  # RGB Pillow image, as the projector reads it
+    key: bytes  # its identity for the prefix caches: a hash of mode, size and pixels
+
+
+def image_key(image) -> bytes:
+    """blake2b of the decoded pixels (never an object id): the same picture
+    sent again, in any encoding that decodes to the same pixels, is the same key."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{image.mode}:{image.width}x{image.height}:".encode())
+    h.update(image.tobytes())
+    return h.digest()
+
+
+def attach(decision, images) -> None:
+    """Put `images` (RGB Pillow images, as the reader will read them) on the decision's state."""
+    state = ImageState(str(decision.state))
+    state.images = tuple(ReadImage(im, image_key(im)) for im in images)
+    decision.state = state
+
+
+def images_of(state) -> tuple:
+    """The ReadImages a read's state carries (none for a plain str)."""
+    return getattr(state, "images", ())
+
+
+# Where a rendered prompt's images go: a random marker (caller text cannot
+# forge it), split out before tokenization (split_at_marker).
+MARKER = "\ue002" + secrets.token_hex(8) + "\ue002"
+
+
+def split_at_marker(text: str) -> tuple[str, str] | None:
+    """The rendered prompt before and after the images' marker, each still
+    marked up for LoadedModel.encode_prompt: when the marker sits inside caller
+    text (a chat template wraps the whole message), the text after it is
+    reopened as caller text. None when the template dropped the marker."""
+    at = text.find(MARKER)
+    if at < 0:
+        return None
+    head, rest = text[:at], text[at + len(MARKER):]
+    if head.rfind(LITERAL_OPEN) > head.rfind(LITERAL_CLOSE):
+        rest = LITERAL_OPEN + rest
+    return head, rest
+
+
 # -- libmtmd: the projector ------------------------------------------------------
+
+
+@dataclass
+class ImageSpan:
+    """One image as the text model reads it: mtmd's chunks for one image marker.
+
+    `tokens` holds the text tokens of the projector's own wrappers (such as
+    `<|vision_start|>`) and, for each image chunk, one placeholder per image
+    token: a negative id derived from the image's key, its place among the
+    decision's images and the chunk's index, so two prompts share the
+    placeholders exactly when they share the picture there. `chunks` maps a
+    placeholder to (chunk, tokens, positions); under M-RoPE an image takes
+    fewer positions than tokens."""
+
+    handle: Any
+    tokens: list[int]
+    chunks: dict[int, tuple[Any, int, int]]
+
+
+def placeholder(key: bytes, occurrence: int, index: int) -> int:
+    digest = hashlib.blake2b(key + occurrence.to_bytes(4, "little") + index.to_bytes(4, "little"), digest_size=7)
+    return -1 - int.from_bytes(digest.digest(), "little")
 
 
 class Projector:
     """A model's multimodal projector (`mmproj`), loaded through libmtmd.
 
-    `encode(image)` turns one RGB image into an mtmd image chunk; `eval_into`
-    evaluates such chunks into a llama.cpp context at given positions on one
-    sequence. Text is never tokenized through mtmd: gmlx's own tokenizer keeps
-    caller text plain (decisions/literal.py)."""
+    `span(image, i)` turns the decision's i-th image into an ImageSpan;
+    `eval_into` evaluates one image chunk into a llama.cpp context at a given
+    position on one sequence and returns the next position (mtmd's: under
+    M-RoPE an image advances it by max(width, height) in patches, not by its
+    tokens). Caller text is never tokenized through mtmd: gmlx's own tokenizer
+    keeps it plain (decisions/literal.py)."""
 
     def __init__(self, lm, path, n_threads: int | None = None):
         import llama_cpp.mtmd_cpp as mt
@@ -206,16 +300,16 @@ class Projector:
             self.ctx = None
             raise ValueError(f"the projector {self.path} has no vision encoder")
         self.marker = mt.mtmd_default_marker().decode()
+        self.mrope = bool(mt.mtmd_decode_use_mrope(self.ctx))
 
-    def chunks(self, image):
-        """(chunks handle, [image chunk pointers], positions they take, tokens they count)."""
+    def span(self, image: ReadImage, occurrence: int) -> ImageSpan:
         import ctypes
 
         mt = self.mt
-        data = image.tobytes()
+        data = image.image.tobytes()
         buf = (ctypes.c_ubyte * len(data)).from_buffer_copy(data)
-        bitmap = mt.mtmd_bitmap_init(image.width, image.height, buf)
-        chunks = mt.mtmd_input_chunks_init()
+        bitmap = mt.mtmd_bitmap_init(image.image.width, image.image.height, buf)
+        handle = mt.mtmd_input_chunks_init()
         text = mt.mtmd_input_text()
         raw = self.marker.encode()
         text.text = raw
@@ -224,19 +318,30 @@ class Projector:
         text.add_special = False
         text.parse_special = False
         arr = (ctypes.c_void_p * 1)(bitmap)
-        rc = mt.mtmd_tokenize(self.ctx, chunks, ctypes.byref(text), arr, 1)
+        rc = mt.mtmd_tokenize(self.ctx, handle, ctypes.byref(text), arr, 1)
         mt.mtmd_bitmap_free(bitmap)
         if rc != 0:
-            mt.mtmd_input_chunks_free(chunks)
-            raise InvalidRequest(f"the projector could not process an image (mtmd_tokenize {rc})", param="images")
-        out, pos, toks = [], 0, 0
-        for i in range(mt.mtmd_input_chunks_size(chunks)):
-            c = mt.mtmd_input_chunks_get(chunks, i)
-            if mt.mtmd_input_chunk_get_type(c) == mt.MTMD_INPUT_CHUNK_TYPE_IMAGE:
-                out.append(c)
-                pos += int(mt.mtmd_input_chunk_get_n_pos(c))
-                toks += int(mt.mtmd_input_chunk_get_n_tokens(c))
-        return chunks, out, pos, toks
+            mt.mtmd_input_chunks_free(handle)
+            raise InvalidRequest(f"images[{occurrence}]: the projector could not process it (mtmd_tokenize {rc})",
+                                 param="images")
+        tokens: list[int] = []
+        chunks: dict[int, tuple[Any, int, int]] = {}
+        for i in range(mt.mtmd_input_chunks_size(handle)):
+            c = mt.mtmd_input_chunks_get(handle, i)
+            if mt.mtmd_input_chunk_get_type(c) == mt.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                n = ctypes.c_size_t(0)
+                ptr = mt.mtmd_input_chunk_get_tokens_text(c, ctypes.byref(n))
+                tokens += [int(ptr[k]) for k in range(n.value)]
+                continue
+            n_tok = int(mt.mtmd_input_chunk_get_n_tokens(c))
+            n_pos = int(mt.mtmd_input_chunk_get_n_pos(c))
+            ph = placeholder(image.key, occurrence, i)
+            chunks[ph] = (c, n_tok, n_pos)
+            tokens += [ph] * n_tok
+        return ImageSpan(handle, tokens, chunks)
+
+    def non_causal(self, chunk) -> bool:
+        return bool(self.mt.mtmd_decode_use_non_causal(self.ctx, chunk))
 
     def eval_into(self, context, chunk, n_past: int, seq: int) -> int:
         """Evaluate one image chunk at n_past on `seq`; returns the next position."""
@@ -248,8 +353,9 @@ class Projector:
             raise ServerError(f"internal: sequence id {seq} outside 0..{context.n_seq_max - 1}")
         n_tok = int(self.mt.mtmd_input_chunk_get_n_tokens(chunk))
         # An image is decoded in slices of n_batch by the helper; a non-causal
-        # image must fit one ubatch or llama.cpp aborts.
-        if self.mt.mtmd_decode_use_non_causal(self.ctx, chunk) and n_tok > context.n_ubatch:
+        # image must fit one ubatch or llama.cpp aborts (admission checks it
+        # first: MediaSet.check_fits).
+        if self.non_causal(chunk) and n_tok > context.n_ubatch:
             raise InvalidRequest(f"an image takes {n_tok} tokens, more than n_ubatch {context.n_ubatch}",
                                  param="images")
         new = ctypes.c_int(0)
@@ -265,36 +371,127 @@ class Projector:
             self.ctx = None
 
 
+def load_projector(lm, settings: dict) -> Projector | None:
+    """The model's `mmproj` (a path, relative to the model's GGUF directory), or
+    None without one; a missing or unloadable file fails the load."""
+    from pathlib import Path
+
+    from ..errors import ModelLoadError
+
+    mmproj = settings.get("mmproj")
+    if not mmproj:
+        return None
+    path = Path(mmproj).expanduser()
+    if not path.is_absolute():
+        path = Path(lm.path).parent / path
+    if not path.is_file():
+        raise ModelLoadError(f"model {lm.model_id!r}: mmproj {path} is missing")
+    try:
+        return Projector(lm, path, settings.get("n_threads"))
+    except ValueError as err:
+        raise ModelLoadError(f"model {lm.model_id!r}: {err}") from None
+
+
+class MediaSet:
+    """The spans of one decision's images, in request order: the tokens that
+    stand for them in a prompt and the chunks behind their placeholders.
+    Holds libmtmd memory until close()."""
+
+    def __init__(self, projector: Projector, images: tuple):
+        self.key = tuple(im.key for im in images)
+        self.spans: list[ImageSpan] = []
+        try:
+            for i, im in enumerate(images):
+                self.spans.append(projector.span(im, i))
+        except BaseException:
+            self.close(projector)
+            raise
+        self.projector = projector
+        self.tokens = [t for s in self.spans for t in s.tokens]
+        self.chunks = {ph: c for s in self.spans for ph, c in s.chunks.items()}
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(n for _, n, _ in self.chunks.values())
+
+    def check_fits(self, n_ubatch: int) -> None:
+        """A non-causal image must fit one ubatch (llama.cpp aborts otherwise)."""
+        for chunk, n_tok, _ in self.chunks.values():
+            if n_tok > n_ubatch and self.projector.non_causal(chunk):
+                raise InvalidRequest(f"an image takes {n_tok} tokens, more than this model's n_ubatch {n_ubatch}; "
+                                     "send smaller images or serve the model with a larger n_ubatch", param="images")
+
+    def close(self, projector: Projector | None = None) -> None:
+        mt = (projector or self.projector).mt
+        for s in self.spans:
+            mt.mtmd_input_chunks_free(s.handle)
+        self.spans = []
+
+
+class Layout:
+    """Where a prompt's image chunks lie among its tokens, and each token's
+    position: an image chunk's tokens all sit at the chunk's first position
+    (libmtmd gives them their own 2-D positions under M-RoPE), and the text
+    after it continues at the position libmtmd returns for it (start + its
+    positions, which under M-RoPE are fewer than its tokens)."""
+
+    def __init__(self, tokens=(), chunks: dict | None = None):
+        self.runs: list[tuple[int, int, int, Any]] = []  # (start, stop, shift before, chunk)
+        self.shift = 0  # tokens minus positions of every run
+        if not chunks:
+            self.media_end = 0
+            return
+        i, n = 0, len(tokens)
+        while i < n:
+            t = tokens[i]
+            if t >= 0:
+                i += 1
+                continue
+            chunk, n_tok, n_pos = chunks[t]
+            self.runs.append((i, i + n_tok, self.shift, chunk))
+            self.shift += n_tok - n_pos
+            i += n_tok
+        self.media_end = self.runs[-1][1] if self.runs else 0
+
+    def pos(self, i: int) -> int:
+        for start, stop, shift, _ in self.runs:
+            if i < start:
+                return i - shift
+            if i < stop:
+                return start - shift
+        return i - self.shift
+
+    def snap(self, i: int) -> int:
+        """`i`, or the start of the image chunk it falls inside."""
+        for start, stop, _, _ in self.runs:
+            if start < i < stop:
+                return start
+        return i
+
+    def media_within(self, n: int) -> int:
+        """The end of the last image chunk among the first n tokens (0: none)."""
+        end = 0
+        for _, stop, _, _ in self.runs:
+            if stop <= n:
+                end = stop
+        return end
+
+    def chunk_at(self, i: int):
+        for start, _, _, chunk in self.runs:
+            if start == i:
+                return chunk
+        return None
+
+
+NO_IMAGES = Layout()
+
+
 def no_projector(model_id: str, strategy: str | None) -> InvalidRequest:
-    return InvalidRequest(
-        f"images need a model configured with an mmproj projector read by the liquid strategy; model "
-        f"{model_id!r} ({strategy}) has none", param="images")
-
-
-class ImageRegistry:
-    """Decoded images of admitted decisions, found again from a read's state.
-
-    The decision core hands readers a Read (state, questions, ...), not the
-    request's images; a decision's reads carry its state object itself, so the
-    images are keyed by that object's identity (the object is kept alive with
-    them, so its id cannot be reused). Bounded: the oldest entries go first."""
-
-    def __init__(self, size: int = 256):
-        import threading
-        from collections import OrderedDict
-
-        self._items: "OrderedDict[int, tuple[str, tuple]]" = OrderedDict()
-        self._lock = threading.Lock()
-        self.size = size
-
-    def put(self, state: str, images: tuple) -> None:
-        with self._lock:
-            self._items[id(state)] = (state, images)
-            self._items.move_to_end(id(state))
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
-
-    def get(self, state: str) -> tuple:
-        with self._lock:
-            item = self._items.get(id(state))
-        return item[1] if item is not None and item[0] is state else ()
+    if strategy == "winnow":
+        why = ("images are not part of Winnow's turn serialization: the winnow read strategy reads text (and JSON "
+               "states) only")
+    elif strategy == "canvas":
+        why = "canvas reads take text only"
+    else:
+        why = f"images need a model configured with an mmproj projector; model {model_id!r} ({strategy}) has none"
+    return InvalidRequest(why, param="images")

@@ -120,17 +120,19 @@ class LoadedModel:
         """Plain text -> tokens, without special tokens (no BOS, specials as text)."""
         return self.tokenize(text, add_special=False, parse_special=False)
 
-    def encode_prompt(self, text: str) -> list[int]:
+    def encode_prompt(self, text: str, bos: bool = True) -> list[int]:
         """A rendered chat prompt -> tokens: the template's markers parsed as
         special tokens, caller text (marked by decisions/literal.py) tokenized
         as plain text, BOS added when the model wants one and the template did
-        not write it."""
+        not write it (`bos=False`: a prompt's continuation, never)."""
         toks: list[int] = []
         for is_literal, part in literal_segments(text):
             toks += self.tokenize(part, add_special=False, parse_special=not is_literal)
-        bos = self.special.bos
-        if self.add_bos and bos is not None and (not toks or toks[0] != bos):
-            toks.insert(0, bos)
+        if not bos:
+            return toks
+        bos_id = self.special.bos
+        if self.add_bos and bos_id is not None and (not toks or toks[0] != bos_id):
+            toks.insert(0, bos_id)
         return toks
 
     def piece(self, token: int, special: bool = True) -> str:

@@ -7,6 +7,13 @@ evaluated on its own sequence after a metadata-only copy of the prefix
 (unified KV cache), with logits asked only for the suffix's last token.
 The prefix stays in the cache across the reads of one decision and is cleared
 between decisions, so no decision's numbers depend on another's.
+
+A model configured with `mmproj` reads a decision's images (engine/media.py):
+they go at the start of the user turn, before the state, as placeholder tokens
+in the prompt's token list; the image chunks are evaluated through libmtmd
+where their placeholders are, once, inside the shared prefix, and every
+question's tail reads after them. Placeholders are keyed by the pixels' hash,
+so the prefix caches reuse an image prefix exactly when the pictures match.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from ..decisions.plan import asked_questions
 from ..decisions.types import Decision, Question, Read, ReadResult, SlotRead, Thought
 from ..errors import InvalidRequest, ValidationError
 from .context import Context, Entry, log_softmax
+from .media import MARKER, NO_IMAGES, Layout, MediaSet, attach, images_of, load_projector, no_projector, split_at_marker
 from .model import LoadedModel
 
 THINK_OPEN = "<think>"
@@ -83,12 +91,23 @@ class NextTokenReader:
         self._cache_limit = int(settings.get("prefix_cache_mib", 256) or 0) * 2**20
         self._salt: str | None = None  # the salt of the read being evaluated
         self._cached_salt: str | None = None  # the salt sequence 0's prefix was written under
-        self._saved: OrderedDict[tuple, bytes] = OrderedDict()  # (salt, tokens) -> state
+        # (salt, tokens) -> (sequence state, end of its images)
+        self._saved: OrderedDict[tuple, tuple[bytes, int]] = OrderedDict()
         self._saved_bytes = 0
         n_swa = getattr(llama_cpp, "llama_model_n_swa", None)
         self._swa = int(n_swa(lm.model)) if n_swa is not None else 0
         self._first_hold = True
         self._reused = 0  # tokens this decision took from an earlier one
+        self._cached_media = 0  # end of the last image chunk in sequence 0's prefix (0: none)
+        # Images (engine/media.py): the projector, the images of the decision
+        # being read (its MediaSet, on the worker) and the read's Layout.
+        self.projector = load_projector(lm, settings) if self.loads_projector else None
+        self.reads_images = self.projector is not None
+        self._media: MediaSet | None = None
+        self._layout: Layout = NO_IMAGES
+
+    # Whether this strategy reads images through a configured `mmproj`.
+    loads_projector = True
 
     def _flash_attn(self, settings: dict[str, Any]) -> bool | str:
         """`auto` is llama.cpp's choice, except for batch-invariant reads: on
@@ -107,6 +126,7 @@ class NextTokenReader:
         self._slots = {}
         self._first_hold = True
         self._reused = 0
+        self._drop_media()
         if not self._cache_limit:
             self._clear()
             return
@@ -116,6 +136,7 @@ class NextTokenReader:
     def _clear(self) -> None:
         self.ctx.clear()
         self._cached = []
+        self._cached_media = 0
 
     def clear_cache(self) -> None:
         """Empty the KV cache and the saved prefixes (tests, benches)."""
@@ -134,6 +155,25 @@ class NextTokenReader:
         return self._label_ids[label]
 
     def check(self, decision: Decision) -> None:
+        images = getattr(decision, "images", None)
+        if not images:
+            return self._check(decision, None)
+        if self.projector is None:
+            raise no_projector(self.lm.model_id, self.strategy)
+        attach(decision, [self.prepare_image(im) for im in images])
+        # Admission runs beside the worker: the images' chunks are its own, freed at once.
+        media = MediaSet(self.projector, images_of(decision.state))
+        try:
+            media.check_fits(self.ctx.n_ubatch)
+            self._check(decision, media)
+        finally:
+            media.close()
+
+    def prepare_image(self, image):
+        """An image as this strategy reads it (Liquid d1 shrinks it)."""
+        return image
+
+    def _check(self, decision: Decision, media: MediaSet | None) -> None:
         # Only what may be asked: a question outside `ask` is never read.
         check_label_tokens(asked_questions(decision), self.label_token)
         n_ctx = self.ctx.n_ctx
@@ -144,7 +184,7 @@ class NextTokenReader:
         if state_tokens > n_ctx + 8:
             raise self._too_long(f"the state alone is {state_tokens} tokens")
         try:
-            need = self.largest_prompt(decision)
+            need = self.largest_prompt(decision, media)
         except Exception as err:  # noqa: BLE001
             # The chat template runs here with the caller's chat_template_kwargs
             # for the first time: a template they make fail is their request's fault.
@@ -155,7 +195,8 @@ class NextTokenReader:
                 ) from None
             raise
         if need > n_ctx:
-            raise self._too_long(f"the decision's largest prompt needs {need} tokens")
+            extra = f" ({media.image_tokens} of them for the images)" if media is not None else ""
+            raise self._too_long(f"the decision's largest prompt needs {need} tokens{extra}")
 
     def _too_long(self, what: str) -> InvalidRequest:
         return InvalidRequest(
@@ -164,7 +205,7 @@ class NextTokenReader:
             param="state",
         )
 
-    def largest_prompt(self, decision: Decision) -> int:
+    def largest_prompt(self, decision: Decision, media: MediaSet | None = None) -> int:
         """Tokens of the largest prompt any read can build: each question with
         the questions it depends on answered with their longest option (a read
         states only those, see _prompt), plus a thought at full budget; or the
@@ -181,13 +222,13 @@ class NextTokenReader:
                 for o in (by_id[d] for d in q.depends_on if d in by_id)
             )
             text = self._render(decision.instructions, decision.state, q, answered,
-                                decision.chat_template_kwargs, None)
-            worst = max(worst, len(self.lm.encode_prompt(text)))
+                                decision.chat_template_kwargs, None, media=media is not None)
+            worst = max(worst, len(self._encode(text, media)))
         # +1: the read itself; a thought also brings its open/close markers.
         need = worst + 1 + (think + 8 if think else 0)
         if think:
             # think() refuses, on the worker, a thought whose prompt and budget overflow the context.
-            need = max(need, len(self.lm.encode_prompt(self._thought_prompt(decision))) + think + 1)
+            need = max(need, len(self._encode(self._thought_prompt(decision, media is not None), media)) + think + 1)
         return need
 
     def read(self, read: Read) -> ReadResult:
@@ -198,6 +239,9 @@ class NextTokenReader:
         todo = {k: p for k, p in zip(keys, built) if k not in self._slots}
         evaluated, reused = self._evaluated, self._reused
         self._salt = read.cache_salt
+        media = self._media_for(read.state)
+        # Every prompt of a read has the same head and images at the same places.
+        self._layout = Layout(built[0].tokens, media.chunks) if media is not None else NO_IMAGES
         if todo:
             try:
                 rows = self._evaluate([p.tokens for p in todo.values()])
@@ -230,10 +274,12 @@ class NextTokenReader:
         kw.update(user or {})
         return kw
 
-    def _render(self, instructions, state, q, answered, user_kwargs, thought: Thought | None) -> str:
+    def _render(self, instructions, state, q, answered, user_kwargs, thought: Thought | None,
+                media: bool = False) -> str:
         # The decision core hands each question already in its sample's order
-        # (decisions/orders.py): the options are listed as given.
-        msgs = prompts.messages(instructions, state, q, range(len(q.options)), answered)
+        # (decisions/orders.py): the options are listed as given. Images open
+        # the user turn, before the state (MARKER, replaced in _encode).
+        msgs = prompts.messages(instructions, MARKER + state if media else state, q, range(len(q.options)), answered)
         if thought is None:
             return self.template.render(msgs, True, self._kwargs(user_kwargs, False))
         # The reply opens with the thought block, closed, then the answer.
@@ -244,8 +290,51 @@ class NextTokenReader:
         deps = set(q.depends_on)
         # A question's prompt states the earlier answers it depends on.
         answered = tuple(a for a in read.answered if a.question.id in deps)
-        text = self._render(read.instructions, read.state, q, answered, read.chat_template_kwargs, read.thought)
-        return _Prompt(q, self.lm.encode_prompt(text))
+        media = self._media_for(read.state)
+        text = self._render(read.instructions, read.state, q, answered, read.chat_template_kwargs, read.thought,
+                            media=media is not None)
+        return _Prompt(q, self._encode(text, media))
+
+    # -- images ------------------------------------------------------------
+    def _encode(self, text: str, media: MediaSet | None) -> list[int]:
+        """A rendered prompt's tokens; with images, their tokens (engine/media.py)
+        where the render put MARKER."""
+        if media is None:
+            return self.lm.encode_prompt(text)
+        parts = split_at_marker(text)
+        if parts is None:
+            raise InvalidRequest(
+                f"model {self.lm.model_id!r}: its chat template drops the start of the user message, where the "
+                "images go; configure a chat_template that keeps the message text", param="images")
+        head, rest = parts
+        return self.lm.encode_prompt(head) + media.tokens + self.lm.encode_prompt(rest, bos=False)
+
+    def _media_for(self, state) -> MediaSet | None:
+        """The MediaSet of the images a read's state carries (made once per
+        decision on the worker, freed at the next reset), or None."""
+        images = images_of(state) if self.projector is not None else ()
+        if not images:
+            return None
+        key = tuple(im.key for im in images)
+        if self._media is None or self._media.key != key:
+            self._drop_media()
+            self._media = MediaSet(self.projector, images)
+        return self._media
+
+    def _drop_media(self) -> None:
+        if self._media is not None:
+            self._media.close()
+            self._media = None
+        self._layout = NO_IMAGES
+
+    def _entries(self, tokens: list[int], start: int, seq: int, logits_last: bool = False) -> list[Entry]:
+        """Entries for tokens[start:] on `seq` at their positions (the read's Layout)."""
+        last = len(tokens) - 1
+        if not self._layout.runs:
+            return [Entry(t, start + j, seq, logits_last and start + j == last) for j, t in enumerate(tokens[start:])]
+        pos = self._layout.pos
+        return [Entry(t, pos(start + j), seq, logits_last and start + j == last)
+                for j, t in enumerate(tokens[start:])]
 
     # -- evaluation --------------------------------------------------------
     def _evaluate(self, prompts_tokens: list[list[int]]) -> list[np.ndarray]:
@@ -269,19 +358,23 @@ class NextTokenReader:
         shortest = min(len(t) for t in prompts_tokens)
         lcp = _common_prefix(prompts_tokens, shortest)
         prefix_len = min(lcp, shortest - MIN_PIECE)
-        if prefix_len < MIN_PIECE:
+        media_end = self._layout.media_end
+        if media_end:
+            # The head and the images are pieces of their own whatever the
+            # split; the text after them in the prefix is none or a full piece.
+            if prefix_len < media_end + MIN_PIECE:
+                prefix_len = media_end
+        elif prefix_len < MIN_PIECE:
             prefix_len = 0
         self._hold_prefix(prompts_tokens[0][:prefix_len])
         rows: list[np.ndarray] = []
         for tokens in prompts_tokens:
-            tail = tokens[prefix_len:]
             # Without a prefix the tail is the whole prompt, on the empty sequence 0.
             seq = 1 if prefix_len else 0
             if seq:
                 self.ctx.seq_cp(0, 1, -1, -1)
-            entries = [Entry(tok, prefix_len + j, seq, j == len(tail) - 1) for j, tok in enumerate(tail)]
-            out = self._decode_run(entries)
-            rows.append(out[len(tail) - 1])
+            out = self._decode_run(self._entries(tokens, prefix_len, seq, True))
+            rows.append(out[len(tokens) - prefix_len - 1])
             self.ctx.seq_rm(seq, -1, -1)
         return rows
 
@@ -290,7 +383,7 @@ class NextTokenReader:
         Faster on long question sets; a suffix lands in other KV cells than it
         would alone, so its numbers depend slightly on the other questions."""
         shortest = min(len(t) for t in prompts_tokens)
-        prefix_len = _common_prefix(prompts_tokens, shortest - 1)
+        prefix_len = self._layout.snap(_common_prefix(prompts_tokens, shortest - 1))
         prefix = prompts_tokens[0][:prefix_len]
         self._hold_prefix(prefix)
         suffixes = [t[prefix_len:] for t in prompts_tokens]
@@ -301,12 +394,12 @@ class NextTokenReader:
         used = 0
         for i, s in enumerate(suffixes):
             if group and (len(group) == self.parallel or used + len(s) > free_cells):
-                self._run_group(group, suffixes, prefix_len, rows)
+                self._run_group(group, prompts_tokens, prefix_len, rows)
                 group, used = [], 0
             group.append(i)
             used += len(s)
         if group:
-            self._run_group(group, suffixes, prefix_len, rows)
+            self._run_group(group, prompts_tokens, prefix_len, rows)
         return rows  # type: ignore[return-value]
 
     def _hold_prefix(self, prefix: list[int]) -> None:
@@ -316,31 +409,36 @@ class NextTokenReader:
         evaluated again instead."""
         if self._cache_limit:
             self._pick_cached(prefix)
-        keep = _common_prefix([self._cached, prefix], min(len(self._cached), len(prefix)))
+        media_end = self._layout.media_within(len(prefix))
+        keep = _reusable(self._cached, self._cached_media, prefix, media_end)
+        if self.batch_invariant and 0 < len(prefix) - keep < MIN_PIECE:
+            keep = max(0, len(prefix) - MIN_PIECE)
+        if keep and keep < media_end:
+            keep = media_end  # an image is never evaluated again in part
         if self._first_hold:
             self._first_hold = False
             self._reused += keep
-        if self.batch_invariant and 0 < len(prefix) - keep < MIN_PIECE:
-            keep = max(0, len(prefix) - MIN_PIECE)
         if keep < len(self._cached):
             if self._cache_limit and keep < len(self._cached) - MIN_PIECE:
                 self._save_resident()  # a diverging prefix: keep the old one for later
-            self.ctx.seq_rm(0, keep, -1)
-        self._decode_run([Entry(tok, keep + j, 0) for j, tok in enumerate(prefix[keep:])])
+            self.ctx.seq_rm(0, self._layout.pos(keep), -1)
+        self._decode_run(self._entries(prefix, keep, 0))
         self._cached = list(prefix)
+        self._cached_media = media_end
 
     # -- prefix cache ------------------------------------------------------
     def _pick_cached(self, prefix: list[int]) -> None:
         """Put on sequence 0 the cached prefix (same salt) sharing most tokens with `prefix`."""
-        resident = _common_prefix([self._cached, prefix], min(len(self._cached), len(prefix)))
+        media_end = self._layout.media_within(len(prefix))
+        resident = _reusable(self._cached, self._cached_media, prefix, media_end)
         if self._cached_salt != self._salt:
             resident = -1
         best, best_n = None, max(resident, 0)
-        for key in self._saved:
+        for key, (_, media) in self._saved.items():
             salt, tokens = key
             if salt != self._salt:
                 continue
-            n = _common_prefix([list(tokens), prefix], min(len(tokens), len(prefix)))
+            n = _reusable(tokens, media, prefix, media_end)
             if n > best_n:
                 best, best_n = key, n
         if best is None:
@@ -349,13 +447,14 @@ class NextTokenReader:
                 self._clear()
                 self._cached_salt = self._salt
             return
-        data = self._saved[best]  # before saving the resident one evicts it
+        data, media = self._saved[best]  # before saving the resident one evicts it
         self._save_resident()
         self._clear()
         if self.ctx.set_seq_state(data, 0):
             if best in self._saved:
                 self._saved.move_to_end(best)
             self._cached = list(best[1])
+            self._cached_media = media
         else:  # llama.cpp refused the state: evaluate from scratch
             self._clear()
         self._cached_salt = self._salt
@@ -379,52 +478,65 @@ class NextTokenReader:
         data = self.ctx.seq_state(0)
         if len(data) > self._cache_limit:
             return
-        self._saved[key] = data
+        self._saved[key] = (data, self._cached_media)
         self._saved_bytes += len(data)
         while self._saved_bytes > self._cache_limit:
-            _, old = self._saved.popitem(last=False)
+            _, (old, _) = self._saved.popitem(last=False)
             self._saved_bytes -= len(old)
 
     @property
     def prefix_cache_bytes(self) -> int:
         return self._saved_bytes
 
-    def _run_group(self, group: list[int], suffixes, start: int, rows) -> None:
+    def _run_group(self, group: list[int], prompts_tokens, start: int, rows) -> None:
         entries: list[Entry] = []
         want: dict[int, int] = {}  # entry index -> prompt index
         for slot, i in enumerate(group, start=1):
             self.ctx.seq_cp(0, slot, -1, -1)
-            s = suffixes[i]
-            for j, tok in enumerate(s):
-                last = j == len(s) - 1
-                if last:
-                    want[len(entries)] = i
-                entries.append(Entry(tok, start + j, slot, last))
+            entries += self._entries(prompts_tokens[i], start, slot, True)
+            want[len(entries) - 1] = i
         for index, row in self._decode_run(entries).items():
             rows[want[index]] = row
         for slot in range(1, len(group) + 1):
             self.ctx.seq_rm(slot, -1, -1)
 
-    def _decode_run(self, entries: list[Entry]) -> dict[int, np.ndarray]:
+    def _decode_run(self, entries: list[Entry], borrow: bool = True) -> dict[int, np.ndarray]:
         """Decode any number of entries in slices of at most n_batch; no slice
-        but a lone short run is under MIN_PIECE tokens (see _evaluate_invariant)."""
+        but a lone short run is under MIN_PIECE tokens (see _evaluate_invariant;
+        `borrow=False`: plain slices). An image chunk's placeholders are
+        evaluated through the projector, in their own piece."""
         out: dict[int, np.ndarray] = {}
         self._evaluated += len(entries)
-        for start, stop in _slices(len(entries), self.ctx.max_tokens):
-            for i, row in self.ctx.decode(entries[start:stop]).items():
-                out[start + i] = row
+        for lo, hi in _pieces(entries):
+            if entries[lo].token < 0:
+                e = entries[lo]
+                self.projector.eval_into(self.ctx, self._chunk(e.token), e.pos, e.seq)
+                continue
+            for start, stop in _slices(hi - lo, self.ctx.max_tokens, borrow):
+                for i, row in self.ctx.decode(entries[lo + start:lo + stop]).items():
+                    out[lo + start + i] = row
         return out
 
+    def _chunk(self, token: int):
+        from ..errors import ServerError
+
+        chunk = self._media.chunks.get(token) if self._media is not None else None
+        if chunk is None:
+            raise ServerError("internal: an image placeholder without its image")
+        return chunk[0]
+
     # -- thinking ----------------------------------------------------------
-    def _thought_prompt(self, decision: Decision) -> str:
-        msgs = prompts.thought_messages(decision.instructions, decision.state, decision.questions)
+    def _thought_prompt(self, decision: Decision, media: bool = False) -> str:
+        state = MARKER + decision.state if media else decision.state
+        msgs = prompts.thought_messages(decision.instructions, state, decision.questions)
         return self.template.render(msgs, True, self._kwargs(decision.chat_template_kwargs, True)) + THINK_OPEN + "\n"
 
     def think(self, decision: Decision, budget: int, seed: int) -> Thought:
         """Write the template's thinking block with seeded sampling, once per
         decision, over a prompt that lists every question."""
         t0 = time.perf_counter()
-        tokens = self.lm.encode_prompt(self._thought_prompt(decision))
+        media = self._media_for(decision.state)
+        tokens = self._encode(self._thought_prompt(decision, media is not None), media)
         if len(tokens) + budget + 1 > self.ctx.n_ctx:
             raise InvalidRequest("the thought does not fit the context", param="think_budget")
         # The thought is written from an empty cache (the cached prefix is put
@@ -432,13 +544,14 @@ class NextTokenReader:
         if self._cache_limit:
             self._save_resident()
         self._clear()
-        rows = self._decode_run([Entry(t, j, 0, j == len(tokens) - 1) for j, t in enumerate(tokens)])
+        self._layout = Layout(tokens, media.chunks) if media is not None else NO_IMAGES
+        rows = self._decode_run(self._entries(tokens, 0, 0, True))
         row = rows[len(tokens) - 1]
         rng = np.random.default_rng(seed)
         out: list[int] = []
         closed = False
         stops = {t for t in (self.lm.special.eos, self.lm.special.eot) if t is not None}
-        pos = len(tokens)
+        pos = self._layout.pos(len(tokens))
         while len(out) < budget:
             tok = _sample(row, rng)
             if tok == self.think_close:
@@ -455,6 +568,9 @@ class NextTokenReader:
         )
 
     def close(self) -> None:
+        self._drop_media()
+        if self.projector is not None:
+            self.projector.close()
         self.ctx.close()
 
 
@@ -471,13 +587,43 @@ def _sample(row: np.ndarray, rng: np.random.Generator, temperature: float = 0.6,
     return int(idx[rng.choice(keep, p=p)])
 
 
-def _slices(n: int, step: int) -> list[tuple[int, int]]:
+def _slices(n: int, step: int, borrow: bool = True) -> list[tuple[int, int]]:
     """[start, stop) slices of n items, each at most `step`; when the last would
-    be shorter than MIN_PIECE it borrows from the one before it."""
+    be shorter than MIN_PIECE it borrows from the one before it (`borrow`)."""
     cuts = list(range(0, n, step)) + [n]
-    if len(cuts) > 2 and cuts[-1] - cuts[-2] < MIN_PIECE and step >= 2 * MIN_PIECE:
+    if borrow and len(cuts) > 2 and cuts[-1] - cuts[-2] < MIN_PIECE and step >= 2 * MIN_PIECE:
         cuts[-2] = n - MIN_PIECE
     return list(zip(cuts[:-1], cuts[1:]))
+
+
+def _pieces(entries: list[Entry]) -> list[tuple[int, int]]:
+    """[lo, hi) runs of entries: text tokens, or one image chunk's placeholders."""
+    n = len(entries)
+    if not entries:
+        return []
+    if min(e.token for e in entries) >= 0:
+        return [(0, n)]
+
+    def kind(token: int) -> int | None:
+        return token if token < 0 else None
+
+    out: list[tuple[int, int]] = []
+    lo = 0
+    for i in range(1, n + 1):
+        if i == n or kind(entries[i].token) != kind(entries[lo].token):
+            out.append((lo, i))
+            lo = i
+    return out
+
+
+def _reusable(cached, cached_media: int, prefix: list[int], media_end: int) -> int:
+    """Tokens of a cached prefix that `prefix` can keep: their common prefix,
+    or none when it stops before the end of either one's images. A head or an
+    image is always evaluated as a piece of its own, which rounds unlike the
+    same text inside a longer piece, so it is shared only with the images
+    that follow it."""
+    n = _common_prefix([cached, prefix], min(len(cached), len(prefix)))
+    return n if n >= max(cached_media, media_end) else 0
 
 
 def _common_prefix(seqs: list[list[int]], limit: int) -> int:

@@ -100,6 +100,8 @@ def render(state_text: str, q: Question, answered=()) -> str:
 
 class WinnowReader(NextTokenReader):
     strategy = "winnow"
+    # Winnow's serialization is text: images get 400 (media.no_projector), even with an mmproj.
+    loads_projector = False
 
     def __init__(self, lm: LoadedModel, settings: dict[str, Any], parallel: int = 16):
         super().__init__(lm, settings, parallel)
@@ -147,7 +149,8 @@ class WinnowReader(NextTokenReader):
     def _relabel(self, q: Question) -> Question:
         return replace(q, labels=winnow_labels(q))
 
-    def _render(self, instructions, state, q, answered, user_kwargs, thought: Thought | None) -> str:  # noqa: ARG002
+    def _render(self, instructions, state, q, answered, user_kwargs, thought: Thought | None,  # noqa: ARG002
+                media: bool = False) -> str:
         q = self._relabel(q)
         return render(self.state_text(state), q, answered)
 
