@@ -23,7 +23,8 @@ REF = "#/components/schemas/"
 
 # Error statuses each decision route documents (SPEC 5).
 DECISION_ERRORS = {
-    "400": "Not a JSON object, images, prompt larger than the context, unknown profile, no model",
+    "400": "Not a JSON object, images for a model without a projector or a bad image, prompt larger than the "
+           "context, unknown profile, no model",
     "401": "The server has an API key and the request lacks it",
     "404": "The model names nothing (no fallback), or its file is missing",
     "413": "Body larger than server.max_body_bytes (after decompression too)",
@@ -126,7 +127,11 @@ def components(settings: DecisionSettings, profiles: list[str]) -> dict[str, Any
             "sequential": _nullable({"type": "boolean"}),
             "chat_template_kwargs": _nullable({"type": "object"}),
             "cache_salt": opt_text,
-            "images": _nullable({"description": "any non-empty value is refused (400)", "type": "array", "maxItems": 0}),
+            "images": _nullable({"description": "PNG, JPEG or WebP data URLs, read before the state by a model with "
+                                                "an mmproj projector; any other model answers 400",
+                                 "type": "array",
+                                 "items": {"anyOf": [{"type": "string", "pattern": "^(data:image/|https?://)"},
+                                                     {"type": "object"}]}}),
         },
     }
     probabilities = {"type": "object", "additionalProperties": {"type": "number"}}
