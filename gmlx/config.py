@@ -103,6 +103,12 @@ LOAD_DEFAULTS: dict[str, Any] = {
 }
 
 
+def with_load_defaults(settings: dict[str, Any]) -> dict[str, Any]:
+    """`settings` with every unset (absent or None) load setting at its
+    LOAD_DEFAULTS value: the engine reads its defaults from here, nowhere else."""
+    return {**LOAD_DEFAULTS, **{k: v for k, v in settings.items() if v is not None}}
+
+
 class ModelConfig(LoadSettings):
     path: str | None = None
     # A GGUF shipped by an installed Python package whose `assemble()` returns its path.

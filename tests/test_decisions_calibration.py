@@ -109,3 +109,16 @@ def test_calibrated_math_edge_cases():
     cache = PriorCache(max_entries=2)
     cache.put("a", [1.0]); cache.put("b", [2.0]); cache.get("a"); cache.put("c", [3.0])
     assert cache.get("b") is None and cache.get("a") == (1.0,) and len(cache) == 2
+
+
+def test_the_decisions_images_reach_its_reads_but_not_the_content_free_ones():
+    # Images are content: a content-free read must not see them, every real read must.
+    reader = FakeReader()
+    d = parse_decision({"state": "a ticket", "questions": PICK, "samples": 2, "calibrate": "content_free"}, SETTINGS)
+    d.images = ("image-1", "image-2")
+    decide(d, reader, SETTINGS, "m")
+    real = [r for r in reader.reads if r.state == "a ticket"]
+    free = [r for r in reader.reads if r.state in CONTENT_FREE_STATES]
+    assert len(real) == 2 and len(free) == 2 * len(CONTENT_FREE_STATES)
+    assert all(r.images == ("image-1", "image-2") for r in real)
+    assert all(r.images == () for r in free)

@@ -29,7 +29,7 @@ from gmlx.decisions.parse import parse_decision
 from gmlx.decisions.types import DecisionSettings, Read
 from gmlx.engine import open_reader
 from gmlx.engine.context import log_softmax
-from gmlx.engine.media import MARKER, images_of
+from gmlx.engine.media import MARKER
 from gmlx.engine.model import load_model
 from gmlx.errors import InvalidRequest
 
@@ -144,7 +144,7 @@ def _read(reader, images, questions=QS, state=STATE):
     admit(d, reader, SETTINGS)
     reader.reset()
     return d, Read(state=d.state, instructions=None, questions=d.questions, listed=d.questions, answered=(),
-                   sample=0, seed=0)
+                   sample=0, seed=0, images=d.images)
 
 
 def mtmd_reference(reader, read, q):
@@ -152,7 +152,7 @@ def mtmd_reference(reader, read, q):
     and the text tokens mtmd tokenized (to check the prompts are the same)."""
     mt = reader.projector.mt
     text = reader._render(None, read.state, q, (), None, None, media=True)
-    images = images_of(read.state)
+    images = read.images
     text = strip_marks(text).replace(MARKER, reader.projector.marker * len(images))
     chunks = mt.mtmd_input_chunks_init()
     inp = mt.mtmd_input_text()
@@ -255,7 +255,7 @@ def test_an_m_rope_image_takes_fewer_positions_than_tokens(merger):
     r = merger.cold
     d, read = _read(r, [WIDE])
     slots = r.read(read).slots
-    media = r._media_for(read.state)
+    media = r._media_for(read.images)
     ((_, n_tok, n_pos),) = media.chunks.values()
     assert (n_tok, n_pos) == (8, 4)  # 4 x 2 tokens, max(4, 2) positions
     wrap = [t for t in media.tokens if t >= 0]
@@ -298,7 +298,7 @@ def test_text_after_the_image_must_continue_at_mtmd_position(vl):
     q = d.questions[0]
     ref, _, _ = mtmd_reference(r, read, q)
     toks = r._prompt(read, q).tokens
-    media = r._media_for(read.state)
+    media = r._media_for(read.images)
     from gmlx.engine.media import Layout
 
     r.clear_cache()

@@ -20,7 +20,7 @@ from gmlx.decisions.decide import admit, decide
 from gmlx.decisions.types import DecisionSettings, Read
 from gmlx.engine import open_reader
 from gmlx.engine.model import load_model
-from gmlx.engine.media import MediaLimits, check_other_media, decode_image, decode_images, images_of, shrink
+from gmlx.engine.media import MediaLimits, check_other_media, decode_image, decode_images, shrink
 from gmlx.errors import InvalidRequest, RequestTooLarge
 
 
@@ -153,7 +153,7 @@ def test_image_tokens_come_before_the_state(d1):
     admit(d, d1, SETTINGS)
     d1.reset()
     read = Read(state=d.state, instructions=None, questions=d.questions, listed=d.questions, answered=(),
-                sample=0, seed=0)
+                sample=0, seed=0, images=d.images)
     d1.read(read)
     head = d1.lm.encode_prompt("<|startoftext|><|im_start|>user\n")
     toks = d1._prompt(read, d.questions[0]).tokens
@@ -171,7 +171,7 @@ def test_image_tokens_come_before_the_state(d1):
 def test_large_images_are_shrunk_to_1024(d1):
     d = parse_decision({"state": "s", "questions": QS, "images": [_data_url(size=(2048, 1024))]}, SETTINGS)
     admit(d, d1, SETTINGS)
-    (im,) = images_of(d.state)
+    (im,) = d.images
     assert im.image.size == (1024, 512)
 
 

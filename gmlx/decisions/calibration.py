@@ -127,7 +127,7 @@ def priors_for(reader, read: Read, checkpoint) -> Priors:
     dists: dict[str, list[list[float]]] = {q.id: [] for q in missing}
     for state in CONTENT_FREE_STATES:
         checkpoint()
-        result = reader.read(replace(read, state=state, questions=ask, thought=None))
+        result = reader.read(replace(read, state=state, questions=ask, thought=None, images=()))
         out.reads += 1
         out.evaluated_tokens += result.evaluated_tokens or 0
         for q in missing:

@@ -99,6 +99,7 @@ def run_pass(
                 chat_template_kwargs=decision.chat_template_kwargs,
                 cache_salt=decision.cache_salt,
                 constrained=settings.constrained,
+                images=decision.images,
             )
             group = read_chunk(
                 reader,

@@ -79,6 +79,9 @@ class Decision:
     cache_salt: str | None = None
     # "none" | "content_free"; None: the model's or profile's default.
     calibrate: str | None = None
+    # Decoded images (parse.py), replaced at admission by the reader's prepared
+    # form (engine/media.py: shrunk, keyed by their pixels).
+    images: tuple = ()
     # Fields present in the body that the server parses but will not use, or does
     # not know: logged once as "ignoring unsupported parameter(s): ...".
     ignored: list[str] = field(default_factory=list)
@@ -128,6 +131,9 @@ class Read:
     chat_template_kwargs: dict[str, Any] | None = None
     cache_salt: str | None = None
     constrained: bool = True
+    # The decision's images, as the reader's admission prepared them (the
+    # engine's ReadImage: picture and content key); a content-free read has none.
+    images: tuple = ()
 
 
 @dataclass(frozen=True)

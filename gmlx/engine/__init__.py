@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..config import with_load_defaults
 from ..errors import NotImplementedStrategy
 
 
 def _with_defaults(reader, lm, settings: dict[str, Any]):
     """Per-model decision defaults every reader carries (decisions/read.py)."""
-    reader.calibrate = settings.get("calibrate") or "none"
+    reader.calibrate = settings["calibrate"]
     # Calibration priors are shared only by readers of the same file and settings.
     reader.model_key = (str(getattr(lm, "path", "")), tuple(sorted((k, repr(v)) for k, v in settings.items())))
     return reader
@@ -34,7 +35,7 @@ def _refuse_images(reader, lm):
 
 
 def open_reader(lm, settings: dict[str, Any], canvas: int = 64):
-    return _refuse_images(_open_reader(lm, settings, canvas), lm)
+    return _refuse_images(_open_reader(lm, with_load_defaults(settings), canvas), lm)
 
 
 def _open_reader(lm, settings: dict[str, Any], canvas: int = 64):

@@ -24,7 +24,6 @@ from dataclasses import replace
 import numpy as np
 
 from .context import Entry
-from .media import images_of
 from .nexttoken import NextTokenReader, _common_prefix
 
 
@@ -38,11 +37,11 @@ class HybridPrefixMixin:
     def _end_of_state(self, read) -> int:
         """Tokens of the read's prompts up to the end of the state: the common
         prefix of its prompt for two probe questions (cached per decision)."""
-        key = (read.state, bool(images_of(read.state)), read.instructions, read.thought,
+        key = (read.state, tuple(im.key for im in read.images), read.instructions, read.thought,
                repr(read.chat_template_kwargs))
         ends = self.__dict__.setdefault("_state_ends", {})
         if key not in ends:
-            media = self._media_for(read.state)
+            media = self._media_for(read.images)
             probes = [self._encode(self._render(read.instructions, read.state, replace(read.questions[0], instructions=t),
                                                 (), read.chat_template_kwargs, read.thought, media=media is not None),
                                    media)

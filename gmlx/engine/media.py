@@ -178,19 +178,6 @@ def check_request_media(body: dict, limits: MediaLimits | None = None) -> tuple:
 # -- images on an admitted decision ----------------------------------------------
 
 
-class ImageState(str):
-    """A decision's state that carries the decision's images (`images`).
-
-    The decision core hands a reader its reads (state, questions, ...), never
-    the request, and every read of a decision carries the decision's state
-    object itself; so admission (`attach`) replaces the state by this str
-    subclass holding the images. An instance of it is never shared between
-    decisions (an interned str such as "" can be), and a content-free
-    calibration read, whose state is a plain str, reads no images."""
-
-    images: tuple = ()
-
-
 @dataclass(frozen=True)
 class ReadImage:
     image: Any  # RGB Pillow image, as the projector reads it
@@ -207,15 +194,10 @@ def image_key(image) -> bytes:
 
 
 def attach(decision, images) -> None:
-    """Put `images` (RGB Pillow images, as the reader will read them) on the decision's state."""
-    state = ImageState(str(decision.state))
-    state.images = tuple(ReadImage(im, image_key(im)) for im in images)
-    decision.state = state
-
-
-def images_of(state) -> tuple:
-    """The ReadImages a read's state carries (none for a plain str)."""
-    return getattr(state, "images", ())
+    """Replace the decision's images by `images` (RGB Pillow images, as the
+    reader will read them) with their content keys; every Read of the decision
+    carries them (`Read.images`), a content-free calibration read none."""
+    decision.images = tuple(ReadImage(im, image_key(im)) for im in images)
 
 
 # Where a rendered prompt's images go: a random marker (caller text cannot

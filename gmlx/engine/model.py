@@ -15,6 +15,7 @@ from typing import Any
 import llama_cpp
 
 from ..decisions.literal import segments as literal_segments
+from ..config import with_load_defaults
 from ..errors import ModelFileMissing, ModelLoadError
 from .chat import ChatTemplate, choose_template
 from .gguf_info import CHILD_LOAD, DIFFUSION_ARCHS, llama_supports_arch, read_info, strategy_problem, unsupported_note
@@ -248,7 +249,7 @@ def _model_params(settings: dict[str, Any], progress: _Progress):
         progress._tensor_split = arr  # keep alive while loading
     mp.progress_callback = progress.callback
     if hasattr(mp, "use_extra_bufts"):
-        mp.use_extra_bufts = _extra_buffers(settings.get("extra_buffers") or "auto")
+        mp.use_extra_bufts = _extra_buffers(settings["extra_buffers"])
     return mp
 
 
@@ -307,6 +308,7 @@ def load_model(model_id: str, path: Path, settings: dict[str, Any], isolate_voca
     process (probe_vocab): llama.cpp aborts the whole process on some corrupted
     vocabularies, and a server must survive a bad file."""
     init_backend()
+    settings = with_load_defaults(settings)
     path = Path(path)
     if not path.is_file():
         raise ModelFileMissing(f"model {model_id!r}: file {path} is missing", param="model")

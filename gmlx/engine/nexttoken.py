@@ -33,7 +33,7 @@ from ..decisions.plan import asked_questions
 from ..decisions.types import Decision, Question, Read, ReadResult, SlotRead, Thought
 from ..errors import InvalidRequest, ValidationError
 from .context import Context, Entry, log_softmax
-from .media import MARKER, NO_IMAGES, Layout, MediaSet, attach, images_of, load_projector, no_projector, split_at_marker
+from .media import MARKER, NO_IMAGES, Layout, MediaSet, attach, load_projector, no_projector, split_at_marker
 from .model import LoadedModel
 
 THINK_OPEN = "<think>"
@@ -57,13 +57,13 @@ class NextTokenReader:
 
     def __init__(self, lm: LoadedModel, settings: dict[str, Any], parallel: int = 16):
         self.lm = lm
-        n_batch = int(settings.get("n_batch") or 512)
+        n_batch = int(settings["n_batch"])
         n_ubatch = int(settings.get("n_ubatch") or n_batch)
         self.parallel = max(1, parallel)
-        self.batch_invariant = settings.get("batch_invariant", True) is not False
+        self.batch_invariant = settings["batch_invariant"] is not False
         self.ctx = Context(
             lm,
-            n_ctx=int(settings.get("n_ctx") or 8192),
+            n_ctx=int(settings["n_ctx"]),
             n_batch=n_batch,
             n_ubatch=min(n_ubatch, n_batch),
             n_seq_max=self.parallel + 1,
@@ -88,7 +88,7 @@ class NextTokenReader:
         # decisions, and earlier prefixes wait in host memory (llama.cpp's
         # sequence state) up to prefix_cache_mib. A prefix is reused only under
         # the cache_salt it was written with (None is a salt of its own).
-        self._cache_limit = int(settings.get("prefix_cache_mib", 256) or 0) * 2**20
+        self._cache_limit = int(settings["prefix_cache_mib"]) * 2**20
         self._salt: str | None = None  # the salt of the read being evaluated
         self._cached_salt: str | None = None  # the salt sequence 0's prefix was written under
         # (salt, tokens) -> (sequence state, end of its images)
@@ -114,7 +114,7 @@ class NextTokenReader:
         CPU, flash attention tiles a decode's queries by how many there are, so
         a tail evaluated alone no longer rounds like the same tokens inside a
         longer prompt (measured: docs/reads.md). Explicit true/false is kept."""
-        fa = settings.get("flash_attn", "auto")
+        fa = settings["flash_attn"]
         if fa in ("auto", None) and self.batch_invariant:
             return False
         return fa
@@ -162,7 +162,7 @@ class NextTokenReader:
             raise no_projector(self.lm.model_id, self.strategy)
         attach(decision, [self.prepare_image(im) for im in images])
         # Admission runs beside the worker: the images' chunks are its own, freed at once.
-        media = MediaSet(self.projector, images_of(decision.state))
+        media = MediaSet(self.projector, decision.images)
         try:
             media.check_fits(self.ctx.n_ubatch)
             self._check(decision, media)
@@ -239,7 +239,7 @@ class NextTokenReader:
         todo = {k: p for k, p in zip(keys, built) if k not in self._slots}
         evaluated, reused = self._evaluated, self._reused
         self._salt = read.cache_salt
-        media = self._media_for(read.state)
+        media = self._media_for(read.images)
         # Every prompt of a read has the same head and images at the same places.
         self._layout = Layout(built[0].tokens, media.chunks) if media is not None else NO_IMAGES
         if todo:
@@ -290,7 +290,7 @@ class NextTokenReader:
         deps = set(q.depends_on)
         # A question's prompt states the earlier answers it depends on.
         answered = tuple(a for a in read.answered if a.question.id in deps)
-        media = self._media_for(read.state)
+        media = self._media_for(read.images)
         text = self._render(read.instructions, read.state, q, answered, read.chat_template_kwargs, read.thought,
                             media=media is not None)
         return _Prompt(q, self._encode(text, media))
@@ -309,10 +309,10 @@ class NextTokenReader:
         head, rest = parts
         return self.lm.encode_prompt(head) + media.tokens + self.lm.encode_prompt(rest, bos=False)
 
-    def _media_for(self, state) -> MediaSet | None:
-        """The MediaSet of the images a read's state carries (made once per
-        decision on the worker, freed at the next reset), or None."""
-        images = images_of(state) if self.projector is not None else ()
+    def _media_for(self, images: tuple) -> MediaSet | None:
+        """The MediaSet of a read's images (made once per decision on the
+        worker, freed at the next reset), or None."""
+        images = images if self.projector is not None else ()
         if not images:
             return None
         key = tuple(im.key for im in images)
@@ -535,7 +535,7 @@ class NextTokenReader:
         """Write the template's thinking block with seeded sampling, once per
         decision, over a prompt that lists every question."""
         t0 = time.perf_counter()
-        media = self._media_for(decision.state)
+        media = self._media_for(decision.images)
         tokens = self._encode(self._thought_prompt(decision, media is not None), media)
         if len(tokens) + budget + 1 > self.ctx.n_ctx:
             raise InvalidRequest("the thought does not fit the context", param="think_budget")

@@ -105,8 +105,8 @@ class WinnowReader(NextTokenReader):
 
     def __init__(self, lm: LoadedModel, settings: dict[str, Any], parallel: int = 16):
         super().__init__(lm, settings, parallel)
-        self.temperature = float(settings.get("decision_temperature") or 1.0)
-        self.state_format = settings.get("decision_state_format") or "text"
+        self.temperature = float(settings["decision_temperature"])
+        self.state_format = settings["decision_state_format"]
         self.can_think = False
         self._states: dict[str, str] = {}
         # question id -> per read, option name -> full-vocabulary probability

@@ -114,7 +114,7 @@ class CanvasReader(LayoutMixin, BatchingMixin, DrivingMixin, ThoughtsMixin):
         self.dg = lm.architecture == "diffusion-gemma"
         if self.dg and not lm.canvas_length:
             raise ServerError(f"model {lm.model_id!r}: a diffusion-gemma GGUF without diffusion.canvas_length")
-        n_ctx = int(settings.get("n_ctx") or 8192)
+        n_ctx = int(settings["n_ctx"])
         # No KV cache: a forward is one ubatch, so n_batch = n_ubatch = the largest
         # forward: n_ctx, or less when the config sets n_ubatch (llama.cpp's compute
         # buffer holds n_ubatch rows of logits: n_ubatch x n_vocab floats).
@@ -144,7 +144,7 @@ class CanvasReader(LayoutMixin, BatchingMixin, DrivingMixin, ThoughtsMixin):
             n_ubatch=ubatch,
             n_seq_max=min(2 * self.parallel, 256),
             n_threads=settings.get("n_threads"),
-            flash_attn=settings.get("flash_attn", "auto"),
+            flash_attn=settings["flash_attn"],
         )
         # Tokens one forward may take (llama.cpp aborts the process above n_ubatch).
         self.limit = min(self.ctx.n_ctx, self.ctx.max_tokens) // ALIGN * ALIGN
