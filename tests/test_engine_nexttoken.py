@@ -353,3 +353,40 @@ def test_repeated_prompts_are_read_once_per_decision(qwen, monkeypatch):
     # One output token per distinct read, and usage counts what was evaluated.
     assert resp["usage"]["output_tokens"] == 14
     assert resp["diagnostics"]["evaluated_tokens"] > 0
+
+
+BOUND_TEXTS = [
+    "", "a", " leading space", "trailing  ", "\n\n\n", "Café crème ☕ — naïve 你好 🙂🙂",
+    "<start_of_turn>user\nhi<end_of_turn>\n", "<|im_start|>assistant\n", "x" * 500, "\x00\x01 bytes \ufffd",
+]
+
+
+@pytest.mark.parametrize("which", ["gemma", "qwen"])
+def test_byte_bound_holds_for_every_prompt(request, which):
+    # Admission skips tokenizing when this bound fits: it must never undercount.
+    reader = request.getfixturevalue(which)
+    from gmlx.decisions.literal import literal
+
+    for a in BOUND_TEXTS:
+        for b in BOUND_TEXTS[:4]:
+            for text in (a + b, literal(a) + b, a + literal(b), literal(a + b)):
+                assert len(reader.lm.encode_prompt(text)) <= reader.lm.max_prompt_tokens(text), repr(text)
+    body = ticket_body()
+    d = _decision(body)
+    exact = reader.largest_prompt(d)
+    # English runs about 4-5 bytes a token: the bound is loose, never below.
+    assert exact <= reader.largest_prompt(d, size=reader.lm.max_prompt_tokens) < 6 * exact
+
+
+def test_admission_of_a_small_decision_tokenizes_nothing(gemma, monkeypatch):
+    d = _decision(ticket_body())
+    admit(d, gemma)  # label tokens are looked up (and cached) once
+    calls = []
+    real = gemma.lm.tokenize
+    monkeypatch.setattr(gemma.lm, "tokenize", lambda *a, **k: calls.append(a) or real(*a, **k))
+    admit(_decision(ticket_body()), gemma)
+    assert calls == []
+    # A state that may not fit is still measured exactly, and refused.
+    with pytest.raises(InvalidRequest, match="context holds"):
+        admit(_decision(ticket_body(state="word " * 5000)), gemma)
+    assert calls

@@ -136,6 +136,13 @@ class LoadedModel:
             toks.insert(0, bos_id)
         return toks
 
+    def max_prompt_tokens(self, text: str) -> int:
+        """An upper bound of len(encode_prompt(text)) without tokenizing: every
+        token llama.cpp's tokenizers emit stands for at least one byte of the
+        text it was given, except the one leading space a SentencePiece
+        tokenizer may add per call (one call per segment) and the BOS."""
+        return 1 + sum(len(part.encode("utf-8")) + 1 for _, part in literal_segments(text))
+
     def piece(self, token: int, special: bool = True) -> str:
         buf = ctypes.create_string_buffer(64)
         n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
