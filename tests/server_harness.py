@@ -34,7 +34,9 @@ def gmlx_command() -> list[str]:
 
 
 class Server:
-    def __init__(self, workdir: Path, config: dict[str, Any], preload: bool = False, env: dict | None = None):
+    def __init__(self, workdir: Path, config: dict[str, Any], preload: bool = False, env: dict | None = None,
+                 request_timeout: float = 120):
+        self.request_timeout = request_timeout  # the default of post() and ok()
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.config_path = self.workdir / "decisions.yaml"
@@ -85,10 +87,16 @@ class Server:
         assert r.status_code == 200, r.text
         return r.json()
 
-    def post(self, body: Any = None, path: str = "/v1/systemone", timeout: float = 120, **kw) -> httpx.Response:
+    def post(self, body: Any = None, path: str = "/v1/systemone", timeout: float | None = None, **kw) -> httpx.Response:
         if body is not None:
             kw["json"] = body
-        return httpx.post(self.url + path, timeout=timeout, **kw)
+        return httpx.post(self.url + path, timeout=timeout or self.request_timeout, **kw)
+
+    def ok(self, body: Any, path: str = "/v1/systemone") -> dict:
+        """POST a body that must succeed: its JSON response."""
+        r = self.post(body, path)
+        assert r.status_code == 200, r.text
+        return r.json()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

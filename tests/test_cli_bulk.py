@@ -78,7 +78,6 @@ def config(tmp_path_factory, gemma_path):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, config):
     s = start(tmp_path_factory.mktemp("bulk_server"), config)
-    s.cfg_path = s.workdir / "decisions.yaml"
     yield s
     s.stop()
 
@@ -93,7 +92,7 @@ def offline(tmp_path_factory, requests_file, server):
     d = tmp_path_factory.mktemp("bulk_offline")
     out, summary = d / "answers.jsonl", d / "summary.json"
     r = gmlx("systemone", "--batch", str(requests_file), "--out", str(out), "--model", "gemma3-270m",
-             "--config", str(server.cfg_path), "--summary-json", str(summary))
+             "--config", str(server.config_path), "--summary-json", str(summary))
     return r, read_out(out), json.loads(summary.read_text())
 
 

@@ -31,7 +31,6 @@ def server(tmp_path_factory, gemma_path):
         "server": {"systemone": {"model": "gemma3-270m", "auto_max": 6}, "api_key": "k-123"},
     }
     s = start(d, cfg)
-    s.cfg_path = d / "decisions.yaml"
     yield s
     s.stop()
 
@@ -60,7 +59,7 @@ def test_four_aligned_lines_from_the_server(server):
 def test_offline_model_prints_the_same_numbers(server):
     body = json.loads(TICKET.read_text())
     online = gmlx("systemone", str(TICKET), "--url", server.url, "--api-key", "k-123", "--json")
-    offline = gmlx("systemone", str(TICKET), "--model", "gemma3-270m", "--config", str(server.cfg_path), "--json")
+    offline = gmlx("systemone", str(TICKET), "--model", "gemma3-270m", "--config", str(server.config_path), "--json")
     assert online.returncode == 0 and offline.returncode == 0, (online.stderr, offline.stderr)
     a, b = json.loads(online.stdout), json.loads(offline.stdout)
     assert a["answers"] == b["answers"]
@@ -71,7 +70,7 @@ def test_offline_model_prints_the_same_numbers(server):
     assert list(a["answers"]) == list(body["questions"])
     # And the printed lines agree too.
     on = gmlx("systemone", str(TICKET), "--url", server.url, "--api-key", "k-123")
-    off = gmlx("systemone", str(TICKET), "--model", "gemma3-270m", "--config", str(server.cfg_path))
+    off = gmlx("systemone", str(TICKET), "--model", "gemma3-270m", "--config", str(server.config_path))
     assert on.stdout == off.stdout
 
 
@@ -160,16 +159,16 @@ def test_offline_applies_profiles_and_server_defaults_like_the_server(server, tm
     req = tmp_path / "profiled.json"
     req.write_text(json.dumps(body))
     online = gmlx("systemone", str(req), "--url", server.url, "--api-key", "k-123", "--json")
-    offline = gmlx("systemone", str(req), "--model", "gemma3-270m", "--config", str(server.cfg_path), "--json")
+    offline = gmlx("systemone", str(req), "--model", "gemma3-270m", "--config", str(server.config_path), "--json")
     assert online.returncode == 0 and offline.returncode == 0, (online.stderr, offline.stderr)
     a, b = json.loads(online.stdout), json.loads(offline.stdout)
     assert a["answers"] == b["answers"]
     assert a["diagnostics"]["calibrate"] == b["diagnostics"]["calibrate"] == "content_free"
     assert a["diagnostics"]["samples"] == b["diagnostics"]["samples"]
-    plain = json.loads(gmlx("systemone", str(TICKET), "--model", "gemma3-270m", "--config", str(server.cfg_path),
+    plain = json.loads(gmlx("systemone", str(TICKET), "--model", "gemma3-270m", "--config", str(server.config_path),
                             "--json").stdout)
     assert plain["diagnostics"]["calibrate"] == "none" and plain["answers"] != b["answers"]
     body["profile"] = "nonesuch"
     req.write_text(json.dumps(body))
-    bad = gmlx("systemone", str(req), "--model", "gemma3-270m", "--config", str(server.cfg_path))
+    bad = gmlx("systemone", str(req), "--model", "gemma3-270m", "--config", str(server.config_path))
     assert bad.returncode != 0 and "nonesuch" in bad.stderr

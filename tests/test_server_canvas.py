@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 from server_harness import gmlx_command, start
 
@@ -24,21 +23,15 @@ def server(tmp_path_factory, tiny_llada, tiny_dream):
         "server": {"systemone": {"model": "llada", "canvas": 64}},
     }
     s = start(d, cfg)
-    s.cfg_path = d / "decisions.yaml"
     yield s
     s.stop()
 
 
-def _post(server, body, path="/v1/systemone"):
-    r = httpx.post(server.url + path, json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()
-
 
 @pytest.mark.parametrize("model", ["llada", "dream"])
 def test_ticket_on_both_routes_same_answers(server, model):
-    a = _post(server, ticket_body(model=model))
-    b = _post(server, ticket_body(model=model), "/systemone")
+    a = server.ok(ticket_body(model=model))
+    b = server.ok(ticket_body(model=model), "/systemone")
     assert a["model"] == b["model"] == model
     assert a["answers"] == b["answers"]
     assert a["diagnostics"]["strategy"] == "canvas"
@@ -55,15 +48,15 @@ def test_ticket_on_both_routes_same_answers(server, model):
 
 
 def test_canvas_numbers_depend_on_the_seed_only(server):
-    one = _post(server, ticket_body(model="dream", seed=1, samples=1))
-    again = _post(server, ticket_body(model="dream", seed=1, samples=1))
-    other = _post(server, ticket_body(model="dream", seed=2, samples=1))
+    one = server.ok(ticket_body(model="dream", seed=1, samples=1))
+    again = server.ok(ticket_body(model="dream", seed=1, samples=1))
+    other = server.ok(ticket_body(model="dream", seed=2, samples=1))
     assert one["answers"] == again["answers"]
     assert one["answers"]["urgent"] != other["answers"]["urgent"]
 
 
 def test_jev_fallback_reaches_the_canvas_model(server):
-    out = _post(server, ticket_body(model="typesafe/jev-1.13"))
+    out = server.ok(ticket_body(model="typesafe/jev-1.13"))
     assert out["model"] == "llada"
 
 
@@ -75,7 +68,7 @@ def test_offline_cli_matches_the_server_on_a_canvas_model(server, tmp_path):
     online = subprocess.run(gmlx_command() + ["systemone", str(req), "--url", server.url, "--json"],
                             capture_output=True, text=True, timeout=300)
     offline = subprocess.run(gmlx_command() + ["systemone", str(req), "--model", "dream", "--config",
-                                               str(server.cfg_path), "--json"], capture_output=True, text=True, timeout=300)
+                                               str(server.config_path), "--json"], capture_output=True, text=True, timeout=300)
     assert online.returncode == 0 and offline.returncode == 0, (online.stderr, offline.stderr)
     a, b = json.loads(online.stdout), json.loads(offline.stdout)
     assert a["answers"] == b["answers"] and a["usage"] == b["usage"]

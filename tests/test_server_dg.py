@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 
-import httpx
 import pytest
 import yaml
 from server_harness import gmlx_command, start
@@ -34,16 +33,10 @@ def server(tmp_path_factory, dg_model):
         "aliases": {"jev-latest": "dgemma"},
         "server": {"systemone": {"model": "dgemma", "canvas": 64}},
     }
-    s = start(d, cfg, env={"LLAMA_CPP_LIB_PATH": str(tiny_gguf.dg_lib_dir())})
-    s.cfg_path = d / "decisions.yaml"
+    s = start(d, cfg, env={"LLAMA_CPP_LIB_PATH": str(tiny_gguf.dg_lib_dir())}, request_timeout=300)
     yield s
     s.stop()
 
-
-def _post(server, body, path="/v1/systemone"):
-    r = httpx.post(server.url + path, json=body, timeout=300)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def _sums_to_one(answers):
@@ -53,8 +46,8 @@ def _sums_to_one(answers):
 
 
 def test_ticket_on_both_routes(server):
-    a = _post(server, ticket_body(model="dgemma"))
-    b = _post(server, ticket_body(model="dgemma"), "/systemone")
+    a = server.ok(ticket_body(model="dgemma"))
+    b = server.ok(ticket_body(model="dgemma"), "/systemone")
     assert a["model"] == b["model"] == "dgemma"
     assert a["answers"] == b["answers"]
     assert a["diagnostics"]["strategy"] == "canvas"
@@ -69,31 +62,31 @@ def test_ticket_on_both_routes(server):
         assert a["diagnostics"]["skipped"]["refund"] == {"because": "team", "was": team, "wanted": ["billing"]}
     _sums_to_one(a["answers"])
     # The Jev fallback reaches the DiffusionGemma model too.
-    assert _post(server, ticket_body(model="typesafe/jev-1.13"))["model"] == "dgemma"
+    assert server.ok(ticket_body(model="typesafe/jev-1.13"))["model"] == "dgemma"
 
 
 def test_staged_decision_in_chunks(server):
     body = ticket_body(model="dgemma", chunk_rows=16, samples=1, sequential=True, seed=4)
-    out = _post(server, body)
+    out = server.ok(body)
     chunks = out["diagnostics"]["chunks"]
     assert len(chunks[0]) > 1  # the first stage split into several reads
     assert [q for c in chunks[0] for q in c] == ["urgent", "team", "severity"]
     assert out["diagnostics"]["stages"] == [["urgent", "team", "severity"], ["refund"]]
     _sums_to_one(out["answers"])
-    assert _post(server, body)["answers"] == out["answers"]
+    assert server.ok(body)["answers"] == out["answers"]
 
 
 def test_four_samples_are_four_distinct_reads(server):
     body = ticket_body(model="dgemma", samples=4, seed=9)
-    one = _post(server, body)
-    again = _post(server, body)
+    one = server.ok(body)
+    again = server.ok(body)
     assert one["answers"] == again["answers"]
     _sums_to_one(one["answers"])
     samples = one["diagnostics"]["samples"]
     counts = samples["n"] if isinstance(samples["n"], int) else samples["n"][0]
     assert counts == 4
     assert one["diagnostics"]["timing"]["reads"] >= 4
-    single = _post(server, ticket_body(model="dgemma", samples=1, seed=9))
+    single = server.ok(ticket_body(model="dgemma", samples=1, seed=9))
     assert single["answers"] != one["answers"]  # four reads averaged are not the first alone
 
 
@@ -127,7 +120,7 @@ def test_offline_cli_gives_the_servers_numbers(server, tmp_path):
     online = subprocess.run(gmlx_command() + ["systemone", str(req), "--url", server.url, "--json"],
                             capture_output=True, text=True, timeout=300)
     offline = subprocess.run(gmlx_command() + ["systemone", str(req), "--model", "dgemma", "--config",
-                                               str(server.cfg_path), "--json"],
+                                               str(server.config_path), "--json"],
                              capture_output=True, text=True, timeout=300, env=env)
     assert online.returncode == 0 and offline.returncode == 0, (online.stderr, offline.stderr[-3000:])
     a, b = json.loads(online.stdout), json.loads(offline.stdout)
@@ -143,7 +136,7 @@ def _models(cfg_path, env):
 
 
 def test_gmlx_models_with_and_without_the_library(server, tmp_path):
-    cfg = yaml.safe_load(server.cfg_path.read_text())
+    cfg = yaml.safe_load(server.config_path.read_text())
     path = tmp_path / "decisions.yaml"
     path.write_text(yaml.safe_dump(cfg))
     with_lib, _ = _models(path, tiny_gguf.dg_env())

@@ -47,9 +47,7 @@ def server(tmp_path_factory):
 
 
 def _post(server, path="/v1/systemone", **body):
-    r = server.post({"state": STATE, "questions": QS, "samples": 1, **body}, path=path)
-    assert r.status_code == 200, r.text
-    return r.json()
+    return server.ok({"state": STATE, "questions": QS, "samples": 1, **body}, path)
 
 
 @pytest.mark.parametrize("model", ["vision", "q35v"])

@@ -35,16 +35,11 @@ def server(tmp_path_factory):
     s.stop()
 
 
-def _post(server, body, path="/v1/systemone"):
-    r = httpx.post(server.url + path, json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()
-
 
 @pytest.mark.parametrize("model", ["winnow", "liquid", "qwen35"])
 def test_ticket_on_both_routes(server, model):
-    a = _post(server, ticket_body(model=model))
-    b = _post(server, ticket_body(model=model), "/systemone")
+    a = server.ok(ticket_body(model=model))
+    b = server.ok(ticket_body(model=model), "/systemone")
     assert a["model"] == b["model"] == model
     assert a["answers"] == b["answers"]
     assert a["diagnostics"]["strategy"] == STRATEGY[model]
@@ -70,7 +65,7 @@ def test_openai_decisions_route(server, model):
 
 
 def test_winnow_temperature_and_full_probabilities(server):
-    a = _post(server, ticket_body(model="winnow"))
+    a = server.ok(ticket_body(model="winnow"))
     w = a["diagnostics"]["winnow"]
     assert w["decision_temperature"] == 1.5 and w["state_format"] == "text"
     team = w["full_probabilities"]["team"]
@@ -79,8 +74,8 @@ def test_winnow_temperature_and_full_probabilities(server):
 
 
 def test_winnow_json_state_and_its_400(server):
-    a = _post(server, ticket_body(model="winnow-json"))
-    b = _post(server, ticket_body(model="winnow-json", state='{ "ticket" : "I was charged twice for my March '
+    a = server.ok(ticket_body(model="winnow-json"))
+    b = server.ok(ticket_body(model="winnow-json", state='{ "ticket" : "I was charged twice for my March '
                                   'invoice. Please refund the duplicate charge." }'))
     assert a["answers"] == b["answers"]  # one canonical serialization
     r = server.post(ticket_body(model="winnow-json", state="not { json"))
