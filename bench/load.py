@@ -46,20 +46,20 @@ STATE = (
 )
 
 
+# The ticket questions of the load benches (bench/throughput.py asks them too).
+QUESTIONS = {
+    "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
+    "team": {"type": "choice", "instructions": "Which team should handle the ticket?",
+             "criteria": {"billing": "invoices, charges, refunds", "infra": "outages, errors",
+                          "product": "features, UI bugs"}},
+    "severity": {"type": "score", "instructions": "How severe is the problem?",
+                 "criteria": ["low", "medium", "high"]},
+}
+
+
 def decision_body(model: str | None = None) -> dict:
     """A three-question decision, one read each (samples 1)."""
-    body = {
-        "state": STATE,
-        "questions": {
-            "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
-            "team": {"type": "choice", "instructions": "Which team should handle the ticket?",
-                     "criteria": {"billing": "invoices, charges, refunds", "infra": "outages, errors",
-                                  "product": "features, UI bugs"}},
-            "severity": {"type": "score", "instructions": "How severe is the problem?",
-                         "criteria": ["low", "medium", "high"]},
-        },
-        "samples": 1,
-    }
+    body = {"state": STATE, "questions": QUESTIONS, "samples": 1}
     if model is not None:
         body["model"] = model
     return body

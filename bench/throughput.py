@@ -34,14 +34,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from server_harness import start  # noqa: E402
 
-QUESTIONS = {
-    "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
-    "team": {"type": "choice", "instructions": "Which team should handle the ticket?",
-             "criteria": {"billing": "invoices, charges, refunds", "infra": "outages, errors",
-                          "product": "features, UI bugs"}},
-    "severity": {"type": "score", "instructions": "How severe is the problem?",
-                 "criteria": ["low", "medium", "high"]},
-}
+from load import QUESTIONS  # noqa: E402  (bench/ is this script's directory)
 BIG = {f"q{i}": {"type": "noul", "instructions": f"Does the ticket mention topic number {i}?"} for i in range(8)}
 
 

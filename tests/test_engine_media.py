@@ -187,7 +187,7 @@ def test_a_model_without_projector_refuses_images(files):
         lm.close()
 
 
-def test_other_strategies_refuse_images(files, tmp_path):
+def test_a_qwen35_without_projector_refuses_images(files, tmp_path):
     from tiny_gguf_more import build_qwen35
 
     lm = load_model("q", build_qwen35(tmp_path / "q.gguf"), {**LOAD_DEFAULTS, "n_gpu_layers": 0, "n_ctx": 1024})
