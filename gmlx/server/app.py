@@ -91,9 +91,10 @@ def _summary(body: dict) -> str:
 
 
 # Admission of a decision under this size (state characters times questions:
-# each question's largest prompt is rendered and tokenized) runs on the event
-# loop: 1-2 ms for a three-question ticket, and handing it to a thread and back
-# costs two thread wake-ups, about 0.3 ms on a small machine (docs/performance.md).
+# each question's largest prompt is rendered, and tokenized only when a byte
+# bound of it may not fit the context) runs on the event loop: well under 1 ms
+# for a three-question ticket, while handing it to a thread and back costs two
+# thread wake-ups, about 0.3 ms on a small machine (docs/performance.md).
 INLINE_ADMIT_CHARS = 16_000
 
 
